@@ -1,0 +1,32 @@
+# The two commands: `make run` (main job) and `make test` (whole suite). Both set up .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export TRITON_INTERPRET ?= 1
+
+.PHONY: run test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/opforge verify --report reports/verify
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/replay.py
+
+clean:
+	rm -rf $(VENV) reports .pytest_cache
