@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export TRITON_INTERPRET ?= 1
 
 .PHONY: run test lint bench clean
 

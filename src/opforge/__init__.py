@@ -1,0 +1,66 @@
+"""opforge: define an accelerator operator once, call it three ways, verify and profile it.
+
+    import opforge
+    y = opforge.gelu(x)                                    # functional (autograd, compile)
+    p = opforge.plan("broadcast_add", a, b); p.run(a, b)   # two-phase, Aclnn style
+    torch.ops.opforge.sigmoid(x)                           # the registered torch operator
+
+Set ``TRITON_INTERPRET=1`` before importing opforge to run the Triton kernels on the CPU.
+"""
+
+from opforge.core.backends import use_backend
+from opforge.core.errors import (
+    AttrError,
+    DeviceError,
+    DtypeError,
+    IndexRangeError,
+    OpError,
+    ShapeError,
+    UnsupportedError,
+)
+from opforge.core.hardware import HardwareProfile, calibrate, profile_for, use_hardware
+from opforge.core.opdef import OpDef, TensorSpec, Tiling
+from opforge.core.plan import (
+    Plan,
+    cache_stats,
+    clear_caches,
+    plan,
+    set_plan_cache,
+    set_poison,
+    workspace_stats,
+)
+from opforge.core.registry import get_op, list_ops
+from opforge.functional import broadcast_add, gelu, reduce_sum, sigmoid
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttrError",
+    "DeviceError",
+    "DtypeError",
+    "HardwareProfile",
+    "IndexRangeError",
+    "OpDef",
+    "OpError",
+    "Plan",
+    "ShapeError",
+    "TensorSpec",
+    "Tiling",
+    "UnsupportedError",
+    "broadcast_add",
+    "cache_stats",
+    "calibrate",
+    "clear_caches",
+    "gelu",
+    "get_op",
+    "list_ops",
+    "plan",
+    "profile_for",
+    "reduce_sum",
+    "set_plan_cache",
+    "set_poison",
+    "sigmoid",
+    "use_backend",
+    "use_hardware",
+    "workspace_stats",
+]

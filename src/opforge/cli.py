@@ -1,0 +1,170 @@
+"""The ``opforge`` command: ``ops``, ``verify``, ``doctor``, ``calibrate``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=160)
+
+
+def _accelerator_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
+
+
+def _ensure_interpreter(backends: Sequence[str]) -> None:
+    """Without an accelerator, Triton kernels run in Triton's interpreter, which must be
+    switched on before the kernels are defined: re-run this command with it on."""
+    if ("triton" in backends and os.environ.get("TRITON_INTERPRET") is None
+            and not _accelerator_present()):
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    import opforge
+    from opforge.core.opdef import dtype_name
+
+    table = Table(title="opforge operators", show_lines=True)
+    for column in ("name", "inputs", "attributes", "dtypes", "backends", "autocast"):
+        table.add_column(column)
+    for op in opforge.list_ops():
+        inputs = ", ".join(a.name + ("?" if a.optional else "") for a in op.inputs)
+        attrs = "\n".join(a.describe() for a in op.attrs) or "-"
+        dtypes = ", ".join(dtype_name(d) for d in op.inputs[0].dtypes)
+        table.add_row(op.name, inputs, attrs, dtypes, ", ".join(op.backends),
+                      op.autocast.value)
+    console.print(table)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    import opforge
+    from opforge.precision.verify import DTYPES, summarize, verify, write_report
+
+    backends = ["torch", "triton"] if args.backend == "all" else [args.backend]
+    ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
+    dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(DTYPES)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = verify(ops, dtypes, backends, device=device, seed=args.seed)
+    table = Table(title=f"opforge verify ({device}) — error vs the float64 golden")
+    for column in ("op", "backend", "dtype", "cases", "max abs", "max rel", "max eps",
+                   "bound", "status"):
+        table.add_column(column, justify="right" if column.startswith(("max", "b", "c"))
+                         else "left")
+    for row in summarize(results):
+        status = {"pass": "[green]pass[/]", "FAIL": "[red]FAIL[/]"}.get(str(row["status"]),
+                                                                        "[yellow]skip[/]")
+        table.add_row(str(row["op"]), str(row["backend"]), str(row["dtype"]),
+                      str(row["cases"]), f"{row['max_abs']:.3g}", f"{row['max_rel']:.3g}",
+                      f"{row['max_eps']:.3g}", f"{row['bound']:g}", status)
+    console.print(table)
+    for row in summarize(results):
+        for failure in row["failed"]:
+            console.print(f"[red]{row['op']} {row['backend']} {row['dtype']}: {failure}")
+        if row["status"] == "skip":
+            console.print(f"[yellow]{row['op']} {row['backend']} skipped: {row['detail']}")
+    if args.report:
+        path = write_report(results, args.report)
+        console.print(f"report: {path}")
+    failed = sum(r.status in ("fail", "error") for r in results)
+    passed = sum(r.status == "pass" for r in results)
+    console.print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from opforge.core import backends
+    from opforge.core.hardware import profile_for
+
+    triton_version = "not installed"
+    if backends.triton_available():
+        import triton
+
+        triton_version = triton.__version__
+    devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})"
+                         for i in range(torch.cuda.device_count())]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = profile_for(device)
+    table = Table(title="opforge doctor", show_header=False)
+    rows = [
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("triton", triton_version),
+        ("devices", ", ".join(devices)),
+        ("backend setting", backends.requested_backend()),
+        ("backend for cpu tensors", "triton" if backends.requested_backend() == "triton"
+         else "torch"),
+        ("backend for accelerator tensors",
+         "torch" if backends.requested_backend() == "torch" else "triton"),
+        ("Triton interpreter (TRITON_INTERPRET)", str(backends.interpreter_enabled())),
+        (f"hardware profile ({device})", f"{profile.name} [{profile.source}]"),
+        ("  memory bandwidth", f"{profile.memory_bandwidth / 1e9:.1f} GB/s"),
+        ("  peak fp32 / bf16", f"{profile.peak(torch.float32) / 1e12:.2f} / "
+                               f"{profile.peak(torch.bfloat16) / 1e12:.2f} TFLOP/s"),
+        ("  on-chip per core", f"{profile.onchip_bytes // 1024} KiB"),
+        ("  cores", str(profile.core_count)),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from opforge.core.hardware import calibrate, calibration_path
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    entry = calibrate(device)
+    console.print(f"{device}: copy {entry['memory_bandwidth'] / 1e9:.1f} GB/s; matmul "
+                  + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s"
+                              for k, v in entry["peak_flops"].items()))
+    console.print(f"cached in {calibration_path()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ops", help="list operators: inputs, attributes, dtypes, backends")
+    verify = sub.add_parser("verify", help="check operators against the float64 golden")
+    verify.add_argument("ops", nargs="*", help="operator names (default: all)")
+    verify.add_argument("--dtype", action="append",
+                        choices=["float32", "float16", "bfloat16"],
+                        help="dtype to check (repeatable; default: all three)")
+    verify.add_argument("--backend", default="all", choices=["all", "torch", "triton"])
+    verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
+    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--report", default=None, help="directory for verify.{md,json}")
+    sub.add_parser("doctor", help="versions, devices, backend, hardware profile")
+    calibrate = sub.add_parser("calibrate", help="measure copy bandwidth and matmul rate")
+    calibrate.add_argument("--device", default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "verify" and argv is None:
+        _ensure_interpreter(["torch", "triton"] if args.backend == "all" else [args.backend])
+    handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
+               "calibrate": cmd_calibrate}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

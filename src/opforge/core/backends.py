@@ -1,0 +1,121 @@
+"""Backend selection: which implementation of an operator runs a call.
+
+``torch``  the operator's reference at float32 (float64 for float64 inputs): any device.
+``triton`` the operator's Triton kernels: cuda/xpu/npu tensors, or CPU tensors when
+           ``TRITON_INTERPRET=1`` (Triton's interpreter).
+``auto``   ``triton`` for accelerator tensors, ``torch`` on the CPU.
+
+The setting comes from `use_backend` (innermost wins, per thread), else ``OPFORGE_BACKEND``,
+else ``auto``. A backend may decline a call (dtype, size) and say why: under ``auto`` the
+call falls back to ``torch`` and the reason is logged once; a backend chosen explicitly
+raises `UnsupportedError` instead. float64 inputs always run on ``torch``: the kernels
+compute in float32, and gradcheck and goldens need float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from opforge.core.errors import UnsupportedError
+from opforge.core.opdef import Attrs, OpDef, TensorSpec
+
+BACKENDS = ("auto", "torch", "triton")
+ACCELERATOR_TYPES = ("cuda", "xpu", "npu")
+
+logger = logging.getLogger("opforge")
+_state = threading.local()
+_logged: set[tuple[str, str]] = set()
+_logged_lock = threading.Lock()
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def requested_backend() -> str:
+    """The backend setting in force: `use_backend`, else ``OPFORGE_BACKEND``, else auto."""
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    return _check_name(os.environ.get("OPFORGE_BACKEND", "auto") or "auto")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Run the block with backend ``name`` (``auto``, ``torch``, ``triton``) in this thread.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(_check_name(name))
+    try:
+        yield name
+    finally:
+        stack.pop()
+
+
+def _triton_refusal(device: torch.device) -> str | None:
+    if not triton_available():
+        return "the triton package is not installed"
+    if device.type == "cpu" and not interpreter_enabled():
+        return "CPU tensors need TRITON_INTERPRET=1 to run Triton kernels"
+    if device.type not in ("cpu", *ACCELERATOR_TYPES):
+        return f"Triton does not target {device.type} tensors"
+    return None
+
+
+def select_backend(opdef: OpDef, inputs: Sequence[TensorSpec | None], attrs: Attrs,
+                   device: torch.device) -> str:
+    """Resolve the backend for one call (see the module docstring).
+
+    Raises:
+        UnsupportedError: an explicitly requested backend cannot run the call.
+    """
+    requested = requested_backend()
+    if any(s is not None and s.dtype == torch.float64 for s in inputs):
+        return "torch"
+    if requested == "torch":
+        return "torch"
+    if requested == "auto" and device.type not in ACCELERATOR_TYPES:
+        return "torch"
+    reason = _triton_refusal(device)
+    if reason is None and "triton" not in opdef.launchers:
+        reason = "the operator has no Triton kernel"
+    if reason is None and "triton" in opdef.decliners:
+        reason = opdef.decliners["triton"](inputs, attrs)
+    if reason is None:
+        return "triton"
+    if requested == "triton":
+        raise UnsupportedError(f"the triton backend cannot run this call: {reason}",
+                               op=opdef.name, param="backend", expected="a supported call",
+                               got=", ".join(str(s) for s in inputs if s is not None))
+    with _logged_lock:
+        first = (opdef.name, reason) not in _logged
+        _logged.add((opdef.name, reason))
+    if first:
+        logger.warning("opforge.%s: falling back to the torch backend: %s", opdef.name, reason)
+    return "torch"

@@ -1,0 +1,416 @@
+"""Two-phase execution: `plan` (validate, infer, tile, size workspace) then `Plan.run`.
+
+Like Aclnn's ``GetWorkspaceSize`` / ``Xxx`` pair, `plan` does everything that depends only
+on the signature of a call — input dtypes, shapes and devices, attribute values — and `run`
+only launches. A plan is reusable for every call with the same signature, and `plan` keeps
+a bounded LRU cache keyed by that signature, so a repeated signature never re-plans.
+Tilings are cached separately under power-of-two shape buckets, so that nearby shapes share
+one tiling (and one compiled kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opforge.core import backends, registry
+from opforge.core.errors import (
+    TILING_ERROR,
+    DeviceError,
+    DtypeError,
+    OpError,
+    ShapeError,
+    UnsupportedError,
+)
+from opforge.core.hardware import HardwareProfile, profile_for
+from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
+from opforge.core.workspace import WorkspacePool
+
+_POISON = {"enabled": os.environ.get("OPFORGE_POISON", "0") not in ("", "0")}
+workspace_pool = WorkspacePool()
+workspace_pool.poison = _POISON["enabled"]
+
+
+def set_poison(enabled: bool) -> None:
+    """Fill every output and fresh workspace that opforge allocates with NaN (or the
+    largest integer) before a kernel writes it, so that unwritten elements fail the tests.
+    Also enabled by ``OPFORGE_POISON=1``."""
+    _POISON["enabled"] = enabled
+    workspace_pool.poison = enabled
+
+
+def _poisoned(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+    return tensor
+
+
+def allocate(spec: TensorSpec) -> torch.Tensor:
+    """A contiguous tensor for ``spec`` (poisoned when `set_poison` is on)."""
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+    return _poisoned(tensor) if _POISON["enabled"] else tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared by plan and by the fake implementation of the torch operator
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A validated call: input specs, attribute values and the output specs they imply."""
+
+    inputs: tuple[TensorSpec | None, ...]
+    attrs: dict[str, Any]
+    outputs: tuple[TensorSpec, ...]
+    device: torch.device
+
+
+def validate(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Signature:
+    """Check a call against the operator's prototype and infer its outputs.
+
+    Works on real, meta and fake tensors (symbolic sizes included).
+
+    Raises:
+        OpError: missing or extra inputs; DtypeError, DeviceError, AttrError, ShapeError
+        from the prototype, `OpDef.check` and `OpDef.infer_shape`.
+    """
+    bound = opdef.bind_inputs(tensors)
+    present = [(arg, t) for arg, t in zip(opdef.inputs, bound) if t is not None]
+    device = present[0][1].device if present else torch.device("cpu")
+    for arg, tensor in present[1:]:
+        if tensor.device != device:
+            raise DeviceError("is on another device than the first input", op=opdef.name,
+                              param=arg.name, expected=str(device), got=str(tensor.device))
+    values = opdef.bind_attrs(attrs)
+    specs = tuple(None if t is None else TensorSpec.of(t) for t in bound)
+    opdef.check(specs, values)
+    shapes = opdef.infer_shape(specs, values)
+    dtypes = opdef.infer_dtype(specs, values)
+    outputs = tuple(TensorSpec(tuple(s), d, device) for s, d in zip(shapes, dtypes))
+    return Signature(specs, values, outputs, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+class Plan:
+    """A validated, tiled call of one operator, reusable for every call with its signature.
+
+    Attributes:
+        op: the `OpDef`.
+        inputs: input specs (``None`` for an absent optional input).
+        attrs: attribute values, defaults filled in.
+        outputs: output specs (shape, dtype, device).
+        backend: ``"triton"`` or ``"torch"``.
+        hardware: the `HardwareProfile` the tiling was made for.
+        tiling: the chosen `Tiling` (``None`` on the torch backend when no variant fits).
+        grid: launch grid for ``tiling`` (``()`` without one).
+        workspace_bytes: scratch bytes `run` needs (0 on the torch backend).
+        cost: FLOPs and bytes moved.
+    """
+
+    __slots__ = ("attrs", "backend", "cost", "grid", "hardware", "inputs", "op", "outputs",
+                 "tiling", "workspace_bytes")
+
+    def __init__(self, op: OpDef, signature: Signature, backend: str,
+                 hardware: HardwareProfile, tiling: Tiling | None, grid: tuple[int, ...],
+                 workspace_bytes: int, cost: Cost) -> None:
+        self.op = op
+        self.inputs = signature.inputs
+        self.attrs = signature.attrs
+        self.outputs = signature.outputs
+        self.backend = backend
+        self.hardware = hardware
+        self.tiling = tiling
+        self.grid = grid
+        self.workspace_bytes = workspace_bytes
+        self.cost = cost
+
+    def __repr__(self) -> str:
+        ins = ", ".join("None" if s is None else str(s) for s in self.inputs)
+        outs = ", ".join(str(s) for s in self.outputs)
+        variant = self.tiling.variant if self.tiling else "-"
+        return (f"Plan({self.op.name}({ins}) -> [{outs}], backend={self.backend}, "
+                f"tiling={variant}, grid={self.grid}, workspace={self.workspace_bytes} B)")
+
+    def _check_inputs(self, tensors: Sequence[Any]) -> list[torch.Tensor | None]:
+        if len(tensors) > len(self.inputs):
+            raise OpError("run was given more tensors than the plan has inputs",
+                          op=self.op.name, param="inputs", expected=len(self.inputs),
+                          got=len(tensors))
+        bound: list[torch.Tensor | None] = []
+        for index, spec in enumerate(self.inputs):
+            tensor = tensors[index] if index < len(tensors) else None
+            name = self.op.inputs[index].name
+            if spec is None or tensor is None:
+                if spec is not tensor:
+                    raise ShapeError("presence differs from the plan's", op=self.op.name,
+                                     param=name, expected="None" if spec is None else spec,
+                                     got="None" if tensor is None else TensorSpec.of(tensor))
+            else:
+                _check_against(tensor, spec, self.op.name, name)
+            bound.append(tensor)
+        return bound
+
+    def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(buffers the kernel writes, tensors returned to the caller)."""
+        if out is None:
+            fresh = [allocate(spec) for spec in self.outputs]
+            return fresh, fresh
+        given = [out] if isinstance(out, torch.Tensor) else list(out)
+        if len(given) != len(self.outputs):
+            raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
+                          expected=len(self.outputs), got=len(given))
+        for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
+            _check_against(tensor, spec, self.op.name, self.op.outputs[index].name)
+        # Kernels write contiguous outputs; a strided `out` is filled through a copy.
+        targets = [t if t.is_contiguous() else allocate(s) for t, s in zip(given, self.outputs)]
+        return targets, given
+
+    def run(self, *tensors: torch.Tensor | None,
+            out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+            workspace: torch.Tensor | None = None) -> Any:
+        """Execute the plan.
+
+        Args:
+            tensors: the inputs, in prototype order (``None`` for absent optionals); shapes,
+                dtypes and devices must equal the plan's.
+            out: preallocated output(s) matching `outputs`; allocated when omitted.
+            workspace: a uint8 (or any) tensor of at least `workspace_bytes` bytes on the
+                plan's device; taken from the pool when omitted. With ``out`` and
+                ``workspace`` given, `run` allocates nothing and never synchronises, so it
+                can be captured in a CUDA graph.
+
+        Returns:
+            The output tensor for a single-output operator, else a tuple.
+
+        Raises:
+            ShapeError, DtypeError, DeviceError: a tensor does not match the plan.
+            OpError: wrong number of inputs or outputs, or a workspace that is too small.
+        """
+        inputs = self._check_inputs(tensors)
+        targets, results = self._outputs(out)
+        scratch = self._workspace(workspace)
+        if any(spec.numel for spec in self.outputs):
+            launch = self.op.launchers[self.backend] if self.backend != "torch" else run_reference
+            launch(self, inputs, targets, scratch)
+        for target, result in zip(targets, results):
+            if target is not result:
+                result.copy_(target)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:
+        if self.workspace_bytes == 0:
+            return None
+        device = self.outputs[0].device
+        if workspace is None:
+            return workspace_pool.get(self.workspace_bytes, device)
+        nbytes = workspace.numel() * workspace.element_size()
+        if nbytes < self.workspace_bytes or workspace.device != device:
+            raise OpError("workspace is too small or on another device", op=self.op.name,
+                          param="workspace",
+                          expected=f">= {self.workspace_bytes} bytes on {device}",
+                          got=f"{nbytes} bytes on {workspace.device}")
+        if not workspace.is_contiguous():
+            raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
+                          expected="a contiguous tensor", got=f"strides {workspace.stride()}")
+        return workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+
+
+def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise DtypeError("is not a tensor", op=op, param=name, expected="torch.Tensor",
+                         got=type(tensor).__name__)
+    if tensor.dtype != spec.dtype:
+        raise DtypeError("dtype differs from the plan's", op=op, param=name,
+                         expected=dtype_name(spec.dtype), got=dtype_name(tensor.dtype))
+    if tensor.shape != spec.shape:
+        raise ShapeError("shape differs from the plan's", op=op, param=name,
+                         expected=tuple(spec.shape), got=tuple(tensor.shape))
+    if tensor.device != spec.device:
+        raise DeviceError("device differs from the plan's", op=op, param=name,
+                          expected=str(spec.device), got=str(tensor.device))
+
+
+def run_reference(plan: Plan, inputs: Sequence[torch.Tensor | None],
+                  outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The torch backend: the operator's reference at float32 (float64 for float64 inputs),
+    rounded once into the outputs."""
+    wide = any(t is not None and t.dtype == torch.float64 for t in inputs)
+    assert plan.op.reference_fn is not None, f"{plan.op.name} has no reference"
+    results = plan.op.reference_fn(*inputs, compute_dtype=torch.float64 if wide
+                                   else torch.float32, **plan.attrs)
+    for target, value in zip(outputs, results if isinstance(results, tuple) else (results,)):
+        target.copy_(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches
+
+
+@dataclass
+class CacheStats:
+    """Plan and tiling cache counters."""
+
+    plan_hits: int = 0
+    plan_misses: int = 0
+    tiling_hits: int = 0
+    tiling_misses: int = 0
+    plans_cached: int = 0
+    capacity: int = 0
+
+
+class _Caches:
+    def __init__(self, capacity: int) -> None:
+        self.plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
+        self.tilings: OrderedDict[tuple[Any, ...], Tiling | None] = OrderedDict()
+        self.capacity = capacity
+        self.stats = CacheStats(capacity=capacity)
+        self.lock = threading.Lock()
+        self.enabled = True
+
+    def put(self, store: OrderedDict[tuple[Any, ...], Any], key: tuple[Any, ...],
+            value: Any) -> None:
+        with self.lock:
+            store[key] = value
+            store.move_to_end(key)
+            while len(store) > self.capacity:
+                store.popitem(last=False)
+            self.stats.plans_cached = len(self.plans)
+
+
+_caches = _Caches(int(os.environ.get("OPFORGE_PLAN_CACHE_SIZE", "1024")))
+
+
+def cache_stats() -> CacheStats:
+    """A snapshot of the plan and tiling cache counters."""
+    with _caches.lock:
+        return CacheStats(**vars(_caches.stats))
+
+
+def workspace_stats() -> Any:
+    """A snapshot of the workspace pool counters (requests, allocations, bytes held)."""
+    return type(workspace_pool.stats)(**vars(workspace_pool.stats))
+
+
+def clear_caches() -> None:
+    """Drop every cached plan and tiling, release the workspace pool, reset counters."""
+    with _caches.lock:
+        _caches.plans.clear()
+        _caches.tilings.clear()
+        _caches.stats = CacheStats(capacity=_caches.capacity)
+    workspace_pool.clear()
+
+
+def set_plan_cache(enabled: bool) -> None:
+    """Turn the plan and tiling caches on or off (off: every call plans from scratch)."""
+    _caches.enabled = enabled
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _choose_tiling(opdef: OpDef, signature: Signature, hardware: HardwareProfile
+                   ) -> Tiling | None:
+    bucketed = bucket_specs(signature.inputs)
+    key = (opdef, tuple(bucketed), tuple(signature.attrs.items()), hardware.name)
+    if _caches.enabled:
+        with _caches.lock:
+            if key in _caches.tilings:
+                _caches.stats.tiling_hits += 1
+                _caches.tilings.move_to_end(key)
+                return _caches.tilings[key]
+            _caches.stats.tiling_misses += 1
+    bucketed_out = bucket_specs(signature.outputs)
+    candidates = opdef.tiling(bucketed, bucketed_out, signature.attrs, hardware)
+    chosen = next((t for t in candidates
+                   if t.onchip_bytes <= hardware.onchip_limit(t.double_buffered)), None)
+    if _caches.enabled:
+        _caches.put(_caches.tilings, key, chosen)
+    return chosen
+
+
+def _tiling_refusal(opdef: OpDef, signature: Signature, hardware: HardwareProfile) -> str:
+    candidates = opdef.tiling(bucket_specs(signature.inputs), bucket_specs(signature.outputs),
+                              signature.attrs, hardware)
+    needs = ", ".join(f"{t.variant} needs {t.onchip_bytes} B"
+                      f"{' (double-buffered)' if t.double_buffered else ''}"
+                      for t in candidates)
+    return (f"no tiling fits the {hardware.name} on-chip memory of {hardware.onchip_bytes} B "
+            f"(half when double-buffered): {needs}")
+
+
+def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
+    signature = validate(opdef, tensors, attrs)
+    hardware = profile_for(signature.device)
+    backend = backends.select_backend(opdef, signature.inputs, signature.attrs,
+                                      signature.device)
+    tiling = _choose_tiling(opdef, signature, hardware) if opdef.launchers else None
+    if tiling is None and backend != "torch":
+        reason = _tiling_refusal(opdef, signature, hardware)
+        if backends.requested_backend() == "triton":
+            raise UnsupportedError(reason, op=opdef.name, param="tiling",
+                                   expected="a variant that fits on chip",
+                                   got=", ".join(str(s) for s in signature.inputs if s),
+                                   code=TILING_ERROR)
+        backends.logger.warning("opforge.%s: falling back to the torch backend: %s",
+                                opdef.name, reason)
+        backend = "torch"
+    grid = (opdef.grid(tiling, signature.inputs, signature.outputs, signature.attrs, hardware)
+            if tiling is not None else ())
+    workspace = (opdef.workspace(tiling, grid, signature.inputs, signature.outputs,
+                                 signature.attrs)
+                 if tiling is not None and backend != "torch" else 0)
+    cost = opdef.cost(signature.inputs, signature.outputs, signature.attrs)
+    return Plan(opdef, signature, backend, hardware, tiling, grid, workspace, cost)
+
+
+def plan(op: str | OpDef, *tensors: torch.Tensor | None, **attrs: Any) -> Plan:
+    """Phase one of a call: validate, infer output specs, choose backend and tiling, size
+    the workspace. Cached by signature (operator, input shapes/dtypes/devices, attributes,
+    backend setting, hardware profile).
+
+    Args:
+        op: an operator name (``"broadcast_add"``) or an `OpDef`.
+        tensors: inputs in prototype order; ``None`` in the place of an absent optional.
+        attrs: attribute values by name; defaults fill the rest.
+
+    Returns:
+        A `Plan`; call ``plan.run(*tensors)`` to execute it.
+
+    Raises:
+        OpError and its subclasses for any invalid input (see `opforge.core.errors`).
+    """
+    opdef = registry.get_op(op) if isinstance(op, str) else op
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    hardware = profile_for(first.device if first is not None else None)
+    key = (opdef, backends.requested_backend(), hardware.name,
+           tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+                 for t in tensors),
+           tuple(sorted((k, _freeze(v)) for k, v in attrs.items())))
+    if _caches.enabled:
+        try:
+            with _caches.lock:
+                cached = _caches.plans.get(key)
+                if cached is not None:
+                    _caches.stats.plan_hits += 1
+                    _caches.plans.move_to_end(key)
+                    return cached
+                _caches.stats.plan_misses += 1
+        except TypeError:  # an unhashable argument: let validation report it
+            key = ()
+    built = _build(opdef, tensors, attrs)
+    if _caches.enabled and key:
+        _caches.put(_caches.plans, key, built)
+    return built

@@ -1,0 +1,71 @@
+"""The functional API: torch-style signatures over the ``torch.ops.opforge.*`` operators.
+
+Each function validates through the operator's `plan` (typed errors before any kernel),
+supports autograd, and works inside ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import opforge.ops.broadcast_add
+import opforge.ops.gelu
+import opforge.ops.reduce_sum
+import opforge.ops.sigmoid  # noqa: F401 - importing the modules registers the operators
+
+
+def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``a + alpha * b`` with NumPy broadcasting (up to 8 dims), like ``torch.add``.
+
+    Args:
+        a, b: float32/float16/bfloat16/float64 tensors of broadcastable shapes, on one
+            device.
+        alpha: multiplier of ``b`` (a finite number).
+
+    Returns:
+        A tensor of the broadcast shape and ``torch.promote_types(a.dtype, b.dtype)``.
+
+    Raises:
+        ShapeError: the shapes cannot be broadcast (the message names both shapes and the
+            offending dim) or have more than 8 dims.
+        DtypeError: an unsupported dtype. DeviceError: inputs on different devices.
+        AttrError: ``alpha`` is not a finite number.
+    """
+    return torch.ops.opforge.broadcast_add(a, b, alpha)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` without overflow for any |x|; same shape and dtype as ``x``.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+    """
+    return torch.ops.opforge.sigmoid(x)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU like ``torch.nn.functional.gelu``: ``x * Phi(x)`` (``"none"``) or the tanh
+    approximation (``"tanh"``); same shape and dtype as ``x``. The erf form keeps full
+    relative accuracy in the left tail.
+
+    Raises:
+        DtypeError: unsupported dtype. AttrError: ``approximate`` not ``"none"``/``"tanh"``.
+    """
+    return torch.ops.opforge.gelu(x, approximate)
+
+
+def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
+               keepdim: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x.sum(dims)`` accumulated in float32, output in ``x.dtype``.
+
+    ``dims=None`` reduces every dim; ``dims=()`` reduces none.
+
+    Raises:
+        AttrError: a dim out of range or repeated. DtypeError: unsupported dtype.
+    """
+    if isinstance(dims, int):
+        dims = [dims]
+    return torch.ops.opforge.reduce_sum(x, None if dims is None else list(dims), keepdim,
+                                        scale)

@@ -1,0 +1,248 @@
+"""Building blocks of elementwise operators: one strided, broadcasting Triton kernel that
+applies a per-element function, and the tiling, grid and cost every elementwise op shares.
+
+The kernel reads up to two inputs of any strides (stride 0 on broadcast dims: inputs are
+never expanded in memory), applies ``FN(a, b, scalar)`` in float32 and writes a contiguous
+output. Dims that are contiguous in every operand are merged on the host first, so the
+common cases (same-shape contiguous: 1 dim; bias add: 2 dims) pay little index arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from opforge.core.errors import ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import Attrs, Cost, OpDef, Specs, Tiling
+from opforge.core.tiling import cdiv, next_power_of_2, persistent_grid
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on installs without triton
+    triton = None
+
+MAX_DIMS = 8
+BLOCK_SIZES = (4096, 2048, 1024, 512, 256, 128)
+INT32_LIMIT = 2**31 - 1
+
+
+def collapse_dims(shape: Sequence[int], strides: Sequence[Sequence[int]]
+                  ) -> tuple[list[int], list[list[int]]]:
+    """Merge adjacent dims that are contiguous with each other in every operand and drop
+    size-1 dims. Returns (sizes, strides per operand), at least one dim."""
+    sizes: list[int] = []
+    merged: list[list[int]] = [[] for _ in strides]
+    for axis, size in enumerate(shape):
+        if size == 1:
+            continue
+        if sizes and all(m[-1] == s[axis] * size for m, s in zip(merged, strides)):
+            sizes[-1] *= size
+            for m, s in zip(merged, strides):
+                m[-1] = s[axis]
+            continue
+        sizes.append(size)
+        for m, s in zip(merged, strides):
+            m.append(s[axis])
+    if not sizes:
+        return [1], [[0] for _ in strides]
+    return sizes, merged
+
+
+# ---------------------------------------------------------------------------------------------
+# OpDef pieces
+
+
+def elementwise_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile,
+                       temporaries: int = 4) -> list[Tiling]:
+    """Block-size candidates, largest first. One program keeps a block of every operand
+    plus ``temporaries`` float32 values per element live on chip."""
+    numel = max((s.numel for s in outputs if s is not None), default=1)
+    per_element = sum(s.itemsize for s in (*inputs, *outputs) if s is not None)
+    per_element += 4 * temporaries
+    cap = max(BLOCK_SIZES[-1], next_power_of_2(numel))
+    return [Tiling("persistent", {"BLOCK": block}, onchip_bytes=block * per_element)
+            for block in BLOCK_SIZES if block <= cap]
+
+
+def elementwise_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+                     hardware: HardwareProfile) -> tuple[int, ...]:
+    """A persistent 1-D grid over blocks of the output."""
+    return (persistent_grid(cdiv(outputs[0].numel, tiling.blocks["BLOCK"]), hardware),)
+
+
+def elementwise_cost(flops_per_element: int) -> Callable[[Specs, Specs, Attrs], Cost]:
+    """An `OpDef.cost` for an op that reads each input once and writes each output once."""
+    def cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+        moved = sum(s.numel * s.itemsize for s in (*inputs, *outputs) if s is not None)
+        return Cost(flops=flops_per_element * outputs[0].numel, bytes_moved=moved)
+    return cost
+
+
+def same_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    """`OpDef.infer_shape` of a unary op: the output has the input's shape."""
+    return [tuple(inputs[0].shape)]
+
+
+def same_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    """`OpDef.infer_dtype` of an op whose output has its first input's dtype."""
+    return [inputs[0].dtype]
+
+
+def promoted_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    """`OpDef.infer_dtype` of a binary op: ``torch.promote_types`` of its two inputs."""
+    return [torch.promote_types(inputs[0].dtype, inputs[1].dtype)]
+
+
+def same_shape_pair(op: str, names: tuple[str, str]) -> Callable[[Specs, Attrs], None]:
+    """An `OpDef.check` requiring two inputs of one shape (a gradient and what it pairs
+    with: no broadcasting)."""
+    def check(inputs: Specs, attrs: Attrs) -> None:
+        first, second = inputs[0].shape, inputs[1].shape
+        if tuple(first) != tuple(second):
+            raise ShapeError(f"must have the shape of {names[0]}", op=op, param=names[1],
+                             expected=tuple(first), got=tuple(second))
+    return check
+
+
+def stable_sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """Sigmoid for references: ``exp`` of ``-|z|`` only, so a float32 result keeps its
+    subnormal and small normal values (torch's float32 sigmoid returns 0 below z = -88.7,
+    which ``x * sigmoid(z)`` would carry back into the normal range)."""
+    e = torch.exp(-z.abs())
+    return torch.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+RELATIVE_STEP = 1e-6
+
+
+def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                       golden: torch.Tensor) -> torch.Tensor:
+    """`OpDef.error_scale` of an elementwise op: ``|f| + sum_i |x_i df/dx_i|``.
+
+    A float32 kernel rounds its inputs and intermediates at relative size ~eps, and that
+    error reaches the output amplified by each input's relative condition number
+    ``|x_i df/dx_i| / |f|`` (large in the tanh-GELU tail, near the zero of GELU's slope,
+    for a sum that cancels). ``x_i df/dx_i`` is a central difference of the float64
+    reference under a relative perturbation of one input at a time."""
+    scale = golden.abs()
+    for index, tensor in enumerate(inputs):
+        if tensor is None or not tensor.is_floating_point():
+            continue
+        shifted = []
+        for sign in (1.0, -1.0):
+            moved = list(inputs)
+            moved[index] = tensor * (1.0 + sign * RELATIVE_STEP)
+            shifted.append(opdef.reference_fn(*moved, compute_dtype=torch.float64, **attrs))
+        scale = scale + ((shifted[0] - shifted[1]) / (2 * RELATIVE_STEP)).abs()
+    return scale
+
+
+def random_input(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 generator: torch.Generator, scale: float = 3.0) -> torch.Tensor:
+    """Normal samples times ``scale``, drawn in float32 and rounded to ``dtype``."""
+    sample = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * scale
+    return sample.to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel and launcher
+
+if triton is not None:
+
+    @triton.jit
+    def _dim_offsets(rem, size, stride_a, stride_b):
+        index = rem % size
+        return rem // size, index * stride_a, index * stride_b
+
+    @triton.jit
+    def _elementwise_kernel(
+        out_ptr, a_ptr, b_ptr, n, scalar,
+        s1, s2, s3, s4, s5, s6, s7,
+        a0, a1, a2, a3, a4, a5, a6, a7,
+        b0, b1, b2, b3, b4, b5, b6, b7,
+        NDIM: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr,
+        FN: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # Dims are right-aligned in slots 1..7; the leading dim's index is what remains
+        # after peeling the NDIM-1 trailing ones.
+        first = tl.program_id(0) * BLOCK
+        if WIDE:
+            first = first.to(tl.int64)
+        step = tl.num_programs(0) * BLOCK
+        for start in range(first, n, step):
+            lin = start + tl.arange(0, BLOCK)
+            mask = lin < n
+            rem = lin
+            off_a = lin * 0
+            off_b = lin * 0
+            if NDIM >= 2:
+                rem, da, db = _dim_offsets(rem, s7, a7, b7)
+                off_a += da
+                off_b += db
+            if NDIM >= 3:
+                rem, da, db = _dim_offsets(rem, s6, a6, b6)
+                off_a += da
+                off_b += db
+            if NDIM >= 4:
+                rem, da, db = _dim_offsets(rem, s5, a5, b5)
+                off_a += da
+                off_b += db
+            if NDIM >= 5:
+                rem, da, db = _dim_offsets(rem, s4, a4, b4)
+                off_a += da
+                off_b += db
+            if NDIM >= 6:
+                rem, da, db = _dim_offsets(rem, s3, a3, b3)
+                off_a += da
+                off_b += db
+            if NDIM >= 7:
+                rem, da, db = _dim_offsets(rem, s2, a2, b2)
+                off_a += da
+                off_b += db
+            if NDIM >= 8:
+                rem, da, db = _dim_offsets(rem, s1, a1, b1)
+                off_a += da
+                off_b += db
+            off_a += rem * a0
+            off_b += rem * b0
+            a = tl.load(a_ptr + off_a, mask=mask).to(tl.float32)
+            if HAS_B:
+                b = tl.load(b_ptr + off_b, mask=mask).to(tl.float32)
+            else:
+                b = a
+            tl.store(out_ptr + lin, FN(a, b, scalar), mask=mask)
+
+
+def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor | None, scalar: float, tiling: Tiling,
+                       grid: tuple[int, ...]) -> None:
+    """Write ``fn(a, b, scalar)`` (``b`` broadcast against ``a``; ``fn`` a ``triton.jit``
+    function of float32 blocks) into the contiguous ``out``. Inputs are read through their
+    strides, with stride 0 on broadcast dims."""
+    shape = tuple(out.shape)
+    operands = [a.expand(shape)] + ([b.expand(shape)] if b is not None else [])
+    strides = [list(t.stride()) for t in operands] + [list(out.stride())]
+    sizes, merged = collapse_dims(shape, strides)
+    if len(sizes) > MAX_DIMS:  # only reachable past 8 dims of mutually strided operands
+        operands = [t.contiguous() for t in operands]
+        sizes, merged = collapse_dims(shape, [list(t.stride()) for t in operands]
+                                      + [list(out.stride())])
+    ndim = len(sizes)
+    pad = MAX_DIMS - ndim
+    slots = [1] * pad + sizes
+    a_strides = [0] * pad + merged[0]
+    b_strides = [0] * pad + merged[1] if b is not None else [0] * MAX_DIMS
+    # The leading real dim's stride goes in slot 0; trailing dims stay right-aligned.
+    a_args = [a_strides[pad], *a_strides[1:]]
+    b_args = [b_strides[pad], *b_strides[1:]]
+    n = out.numel()
+    reach = max(n, *(sum((s - 1) * abs(st) for s, st in zip(sizes, m)) + 1 for m in merged))
+    _elementwise_kernel[grid](
+        out, operands[0], operands[-1] if b is not None else operands[0], n, scalar,
+        *slots[1:], *a_args, *b_args,
+        NDIM=ndim, HAS_B=b is not None, WIDE=reach > INT32_LIMIT, FN=fn,
+        BLOCK=tiling.blocks["BLOCK"],
+    )

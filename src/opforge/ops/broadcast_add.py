@@ -1,0 +1,147 @@
+"""BroadcastAdd: ``out = a + alpha * b`` with NumPy broadcasting up to 8 dims.
+
+Semantics of CANN's Add/AddV2 with ``torch.add``'s ``alpha``: shapes broadcast (pad with 1s
+on the left, size-1 dims stretch), the output dtype is ``torch.promote_types(a, b)``, the sum
+is computed in float32 (float64 for float64 inputs) and rounded once. Broadcast inputs are
+read through stride-0 views, never expanded in memory. The backward sums the gradient over
+each input's broadcast dims with `reduce_sum` (float32 accumulation, ``alpha`` folded in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core.errors import ShapeError
+from opforge.core.opdef import Attr, Attrs, Case, OpDef, OutputArg, Specs, TensorArg
+from opforge.core.shapes import broadcast_dims, broadcast_shapes, is_unknown_rank
+from opforge.library import register_op
+from opforge.ops._elementwise import (
+    MAX_DIMS,
+    elementwise_cost,
+    elementwise_grid,
+    elementwise_tiling,
+    launch_elementwise,
+    perturbation_scale,
+    promoted_dtype,
+    random_input,
+)
+
+try:
+    import triton
+    import triton.language as tl  # noqa: F401 - the kernels' module must hold `tl`
+except ImportError:  # pragma: no cover
+    triton = None
+
+NAME = "broadcast_add"
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    for name, spec in zip(("a", "b"), inputs):
+        if not is_unknown_rank(spec.shape) and len(spec.shape) > MAX_DIMS:
+            raise ShapeError("has too many dims", op=NAME, param=name,
+                             expected=f"at most {MAX_DIMS} dims", got=len(spec.shape))
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    a, b = inputs
+    return [broadcast_shapes(a.shape, b.shape, op=NAME, names=("a", "b"))]
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int, of: torch.dtype = dtype) -> torch.Tensor:
+        return random_input(shape, of, device, generator)
+
+    return [
+        Case("same_shape_4097", (x(4097), x(4097)), {}),
+        Case("bias_63x1000", (x(63, 1000), x(1000)), {}),
+        Case("outer_7x1_1x13", (x(7, 1), x(1, 13)), {"alpha": -0.5}),
+        Case("rank4_mixed", (x(2, 1, 5, 7), x(3, 1, 7)), {"alpha": 2.0}),
+        Case("scalar_b", (x(7, 63), x()), {}),
+        Case("transposed_a", (x(33, 17).t(), x(33)), {}),
+        Case("rank8", (x(2, 1, 3, 1, 2, 3, 1, 5), x(1, 2, 1, 4, 1, 3, 2, 1)), {}),
+        Case("mixed_dtype_b_fp32", (x(63, 7), x(7, of=torch.float32)), {"alpha": 0.25}),
+        Case("zero_size", (x(0, 5), x(5)), {}),
+    ]
+
+
+BROADCAST_ADD = OpDef(
+    name=NAME,
+    doc="a + alpha * b with NumPy broadcasting (up to 8 dims) and torch dtype promotion.",
+    inputs=(TensorArg("a"), TensorArg("b")),
+    outputs=(OutputArg("out"),),
+    attrs=(Attr("alpha", "float", 1.0, doc="multiplier of b"),),
+    infer_shape=_infer_shape,
+    infer_dtype=promoted_dtype,
+    check=_check,
+    cost=elementwise_cost(2),
+    tiling=elementwise_tiling,
+    grid=elementwise_grid,
+    error_scale=perturbation_scale,
+    samples=_samples,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+@BROADCAST_ADD.reference
+def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
+              alpha: float) -> torch.Tensor:
+    """``a + alpha * b`` in ``compute_dtype``."""
+    return a.to(compute_dtype) + alpha * b.to(compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _add_scaled(a, b, alpha):
+        return a + alpha * b
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+@BROADCAST_ADD.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
+           workspace: torch.Tensor | None) -> None:
+    """One pass of the strided elementwise kernel over the broadcast output."""
+    a, b = inputs
+    launch_elementwise(_add_scaled, outputs[0], a, b, plan.attrs["alpha"], plan.tiling,
+                       plan.grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+    a, b, alpha = inputs
+    ctx.specs = ((tuple(a.shape), a.dtype), (tuple(b.shape), b.dtype))
+    ctx.alpha = alpha
+
+
+def _sum_to(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+            scale: float) -> torch.Tensor:
+    dims = broadcast_dims(shape, tuple(grad.shape))
+    summed = torch.ops.opforge.reduce_sum(grad, list(dims), True, scale)
+    return summed.reshape(shape).to(dtype)
+
+
+@BROADCAST_ADD.autograd(_setup_context)
+def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """grad_a = sum of grad over a's broadcast dims; grad_b = alpha * the same for b."""
+    (a_shape, a_dtype), (b_shape, b_dtype) = ctx.specs
+    grad_a = _sum_to(grad, a_shape, a_dtype, 1.0) if ctx.needs_input_grad[0] else None
+    grad_b = _sum_to(grad, b_shape, b_dtype, ctx.alpha) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+register_op(BROADCAST_ADD)
