@@ -163,7 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _ensure_interpreter(["torch", "triton"] if args.backend == "all" else [args.backend])
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
                "calibrate": cmd_calibrate}[args.command]
-    return handler(args)
+    from opforge.core.errors import OpError
+
+    try:
+        return handler(args)
+    except OpError as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
 
 
 if __name__ == "__main__":

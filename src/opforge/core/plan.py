@@ -34,6 +34,7 @@ from opforge.core.workspace import WorkspacePool
 
 _POISON = {"enabled": os.environ.get("OPFORGE_POISON", "0") not in ("", "0")}
 workspace_pool = WorkspacePool()
+_interpreter_lock = threading.Lock()
 workspace_pool.poison = _POISON["enabled"]
 
 
@@ -202,8 +203,15 @@ class Plan:
         targets, results = self._outputs(out)
         scratch = self._workspace(workspace)
         if any(spec.numel for spec in self.outputs):
-            launch = self.op.launchers[self.backend] if self.backend != "torch" else run_reference
-            launch(self, inputs, targets, scratch)
+            if self.backend == "torch":
+                run_reference(self, inputs, targets, scratch)
+            elif backends.interpreter_enabled():
+                # The interpreter patches triton.language globally while a kernel runs:
+                # two threads interpreting at once corrupt each other.
+                with _interpreter_lock:
+                    self.op.launchers[self.backend](self, inputs, targets, scratch)
+            else:
+                self.op.launchers[self.backend](self, inputs, targets, scratch)
         for target, result in zip(targets, results):
             if target is not result:
                 result.copy_(target)

@@ -247,7 +247,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None], outputs: Sequenc
     kept = [i for i in range(x.ndim) if i not in reduced]
     rows, cols = _rows_and_cols(plan.inputs, plan.outputs)
     # A view when the kept and the reduced dims each collapse; a copy otherwise.
-    matrix = x.permute(*kept, *reduced).reshape(rows, cols)
+    matrix = x.permute((*kept, *reduced)).reshape(rows, cols)
     stride_m, stride_k = matrix.stride()
     grid, tiling = plan.grid, plan.tiling
     splits = grid[1]

@@ -148,7 +148,8 @@ def summarize(results: Sequence[CaseResult]) -> list[dict[str, object]]:
         row["bound"] = max(float(row["bound"]), r.bound)
         if r.status in ("fail", "error"):
             row["status"] = "FAIL"
-            row["failed"].append(f"{r.case}: {r.status} {r.detail.splitlines()[0] if r.detail else ''}")
+            first_line = r.detail.splitlines()[0] if r.detail else ""
+            row["failed"].append(f"{r.case}: {r.status} {first_line}")
         elif r.status == "skip":
             row["status"] = "skip"
             row["detail"] = r.detail

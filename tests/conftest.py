@@ -1,0 +1,62 @@
+"""Test set-up: Triton's interpreter on machines without a GPU (it must be on before the
+kernels are defined), NaN-poisoned outputs, hypothesis profiles, and the golden check."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import opforge
+from opforge.core.opdef import Case, OpDef
+from opforge.precision.metrics import compare
+from opforge.precision.verify import EPS_BOUNDS, golden_of
+
+settings.register_profile("ci", max_examples=12, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=40, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ("torch", "triton")
+LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs():
+    """Every output and fresh workspace opforge allocates starts as NaN."""
+    opforge.set_poison(True)
+    yield
+    opforge.set_poison(False)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Run the test once per backend."""
+    with opforge.use_backend(request.param):
+        yield request.param
+
+
+def assert_golden(opdef: OpDef, case: Case, outputs: object) -> float:
+    """Assert that ``outputs`` match the float64 golden of ``case`` within the dtype's
+    bound (max_eps, see opforge.precision.metrics) with NaN/Inf where the golden has them.
+    Returns the worst max_eps."""
+    goldens, scales = golden_of(opdef, case)
+    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+    worst = 0.0
+    for out, golden, scale in zip(outputs, goldens, scales, strict=True):
+        stats = compare(out, golden, scale)
+        bound = EPS_BOUNDS[out.dtype]
+        assert stats.special_mismatches == 0, (
+            f"{opdef.name}/{case.name}: {stats.special_mismatches} NaN/Inf mismatches")
+        assert stats.max_eps <= bound, (
+            f"{opdef.name}/{case.name} {out.dtype}: max_eps {stats.max_eps:.3g} > {bound} "
+            f"at {stats.worst_index} (max abs {stats.max_abs:.3g})")
+        worst = max(worst, stats.max_eps)
+    return worst

@@ -1,0 +1,280 @@
+"""core/: shapes, OpDef specs, plan cache, tiling buckets, workspace pool, backends,
+hardware profiles."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from unittest import mock
+
+import pytest
+import torch
+
+import opforge
+from opforge.core import backends
+from opforge.core.hardware import PROFILES, calibrate, get_profile, profile_for
+from opforge.core.opdef import Case, TensorSpec
+from opforge.core.shapes import (
+    UNKNOWN_RANK,
+    broadcast_dims,
+    broadcast_shapes,
+    normalize_dim,
+    normalize_dims,
+)
+
+from .conftest import assert_golden
+
+REDUCE_SUM = opforge.get_op("reduce_sum")
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    opforge.clear_caches()
+    opforge.set_plan_cache(True)
+    yield
+    opforge.set_plan_cache(True)
+
+
+# -- shapes -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a, b, out", [
+    ((3, 1), (4,), (3, 4)),
+    ((), (2, 3), (2, 3)),
+    ((2, 1, 5), (3, 1), (2, 3, 5)),
+    ((-1, 4), (3, 1), (3, 4)),       # unknown dim meets a known size
+    ((-1, 1), (1, 1), (-1, 1)),      # unknown stays unknown against 1
+    ((-1,), (-1,), (-1,)),
+    ((-2,), (3, 4), UNKNOWN_RANK),   # unknown rank wins
+])
+def test_broadcast_shapes(a, b, out):
+    assert broadcast_shapes(a, b) == out
+
+
+def test_broadcast_dims_lists_padded_and_stretched_dims():
+    assert broadcast_dims((4,), (2, 3, 4)) == (0, 1)
+    assert broadcast_dims((3, 1), (2, 3, 4)) == (0, 2)
+    assert broadcast_dims((2, 3, 4), (2, 3, 4)) == ()
+
+
+def test_dim_normalisation():
+    assert normalize_dim(-1, 3) == 2 and normalize_dim(0, 0) == 0
+    assert normalize_dims((2, -3), 3) == (0, 2)
+    with pytest.raises(opforge.AttrError, match=r"\[-3, 2\]"):
+        normalize_dim(3, 3, op="x")
+
+
+def test_infer_shape_accepts_unknown_dims_and_rank():
+    add, total = opforge.get_op("broadcast_add"), opforge.get_op("reduce_sum")
+    spec = TensorSpec((-1, 8), torch.float16)
+    attrs = add.bind_attrs({})
+    assert add.infer_shape([spec, TensorSpec((8,), torch.float32)], attrs) == [(-1, 8)]
+    assert add.infer_dtype([spec, TensorSpec((8,), torch.float32)], attrs) == [torch.float32]
+    assert add.infer_shape([TensorSpec(UNKNOWN_RANK, torch.float32), spec], attrs) == [
+        UNKNOWN_RANK]
+    attrs = total.bind_attrs({"dims": (1,), "keepdim": True})
+    assert total.infer_shape([spec], attrs) == [(-1, 1)]
+    assert total.infer_shape([TensorSpec(UNKNOWN_RANK, torch.float32)], attrs) == [UNKNOWN_RANK]
+
+
+# -- plan -------------------------------------------------------------------------------------
+
+def test_plan_reports_outputs_cost_and_tiling():
+    a, b = torch.ones(63, 1000, dtype=torch.bfloat16), torch.ones(1000, dtype=torch.bfloat16)
+    plan = opforge.plan("broadcast_add", a, b, alpha=2)
+    assert plan.outputs[0] == TensorSpec((63, 1000), torch.bfloat16, torch.device("cpu"))
+    assert plan.cost.bytes_moved == 2 * (63_000 + 1000 + 63_000)
+    assert plan.cost.flops == 2 * 63_000
+    assert plan.tiling.variant == "persistent" and plan.grid[0] >= 1
+    assert plan.tiling.onchip_bytes <= plan.hardware.onchip_limit(plan.tiling.double_buffered)
+    assert plan.attrs == {"alpha": 2.0} and "broadcast_add" in repr(plan)
+
+
+def test_repeated_signature_never_replans():
+    x = torch.randn(7, 5)
+    first = opforge.plan("gelu", x, approximate="tanh")
+    second = opforge.plan("gelu", torch.randn(7, 5), approximate="tanh")
+    assert first is second
+    stats = opforge.cache_stats()
+    assert (stats.plan_hits, stats.plan_misses) == (1, 1)
+    opforge.plan("gelu", x)  # another attribute value: another plan
+    assert opforge.cache_stats().plan_misses == 2
+
+
+def test_nearby_shapes_share_a_tiling():
+    opforge.plan("sigmoid", torch.ones(1000))
+    opforge.plan("sigmoid", torch.ones(1001))   # same power-of-two bucket (1024)
+    opforge.plan("sigmoid", torch.ones(5000))   # another bucket
+    stats = opforge.cache_stats()
+    assert (stats.plan_misses, stats.tiling_hits, stats.tiling_misses) == (3, 1, 2)
+
+
+def test_plan_cache_can_be_disabled():
+    opforge.set_plan_cache(False)
+    x = torch.ones(3)
+    assert opforge.plan("sigmoid", x) is not opforge.plan("sigmoid", x)
+    assert opforge.cache_stats().plan_hits == 0
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    from opforge.core import plan as plan_module
+
+    monkeypatch.setattr(plan_module._caches, "capacity", 4)
+    for n in range(1, 10):
+        opforge.plan("sigmoid", torch.ones(n))
+    assert opforge.cache_stats().plans_cached == 4
+
+
+def test_cache_and_pool_are_thread_safe():
+    errors: list[BaseException] = []
+    calls_per_thread = 40
+
+    def work(seed: int) -> None:
+        try:
+            generator = torch.Generator().manual_seed(seed)
+            with opforge.use_backend("triton"):
+                for i in range(calls_per_thread):
+                    x = torch.randn(64 + (i * seed) % 37, 3, generator=generator)
+                    got = opforge.plan("reduce_sum", x, dims=(0,)).run(x)
+                    assert_golden(REDUCE_SUM, Case("thread", (x,), {"dims": (0,)}), got)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    stats = opforge.cache_stats()
+    assert stats.plan_hits + stats.plan_misses == 4 * calls_per_thread
+
+
+def test_workspace_pool_reuses_memory_across_shapes():
+    with opforge.use_backend("triton"):
+        sizes = [3, 5, 4, 7, 6, 3, 8, 2]
+        for cols in sizes:
+            x = torch.randn(4097, cols)
+            plan = opforge.plan("reduce_sum", x, dims=(0,))
+            assert plan.workspace_bytes > 0
+            assert_golden(REDUCE_SUM, Case("pool", (x,), {"dims": (0,)}), plan.run(x))
+    stats = opforge.workspace_stats()
+    assert stats.requests == len(sizes)
+    assert stats.allocations <= 2  # grows to the next power of two, then reuses
+
+
+def test_run_with_out_and_workspace_allocates_nothing():
+    x = torch.randn(4097, 3)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("reduce_sum", x, dims=(0,))
+    out = torch.empty(3)
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("run allocated")
+
+    patches = [mock.patch.object(torch, name, refuse)
+               for name in ("empty", "zeros", "empty_like", "zeros_like", "empty_strided")]
+    for patch in patches:
+        patch.start()
+    try:
+        result = plan.run(x, out=out, workspace=workspace)
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert result is out
+    assert_golden(REDUCE_SUM, Case("no_alloc", (x,), {"dims": (0,)}), out)
+    assert opforge.workspace_stats().requests == 0
+
+
+def test_non_contiguous_out_is_filled(backend):
+    a, b = torch.randn(4, 6), torch.randn(6)
+    out = torch.full((6, 4), float("nan")).t()
+    result = opforge.plan("broadcast_add", a, b).run(a, b, out=out)
+    assert result is out
+    torch.testing.assert_close(out, a + b, rtol=0, atol=0)
+
+
+def test_float64_always_runs_on_torch(backend):
+    x = torch.randn(5, dtype=torch.float64)
+    assert opforge.plan("gelu", x).backend == "torch"
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+def test_backend_setting_precedence(monkeypatch):
+    monkeypatch.setenv("OPFORGE_BACKEND", "triton")
+    assert backends.requested_backend() == "triton"
+    with opforge.use_backend("torch"):
+        assert backends.requested_backend() == "torch"
+        assert opforge.plan("sigmoid", torch.ones(2)).backend == "torch"
+    monkeypatch.setenv("OPFORGE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="unknown backend"):
+        backends.requested_backend()
+
+
+def test_auto_uses_torch_on_cpu_and_triton_on_accelerators():
+    op = opforge.get_op("sigmoid")
+    spec = [TensorSpec((4,), torch.float32)]
+    assert backends.select_backend(op, spec, {}, torch.device("cpu")) == "torch"
+    assert backends.select_backend(op, spec, {}, torch.device("cuda")) == "triton"
+
+
+def test_declining_backend_falls_back_under_auto_and_raises_when_explicit(monkeypatch, caplog):
+    op = opforge.get_op("sigmoid")
+    monkeypatch.setitem(op.decliners, "triton", lambda specs, attrs: "odd sizes only")
+    spec = [TensorSpec((4,), torch.float32)]
+    with caplog.at_level(logging.WARNING, logger="opforge"):
+        for _ in range(3):
+            assert backends.select_backend(op, spec, {}, torch.device("cuda")) == "torch"
+    assert sum("odd sizes only" in r.getMessage() for r in caplog.records) == 1
+    with opforge.use_backend("triton"), pytest.raises(opforge.UnsupportedError,
+                                                      match="odd sizes only"):
+        backends.select_backend(op, spec, {}, torch.device("cuda"))
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(backends, "interpreter_enabled", lambda: False)
+    op = opforge.get_op("sigmoid")
+    spec = [TensorSpec((4,), torch.float32)]
+    with opforge.use_backend("triton"), pytest.raises(opforge.UnsupportedError,
+                                                      match="TRITON_INTERPRET"):
+        backends.select_backend(op, spec, {}, torch.device("cpu"))
+
+
+# -- hardware ---------------------------------------------------------------------------------
+
+def test_datasheet_profiles():
+    ascend = PROFILES["ascend910b"]
+    assert ascend.memories["UB"] == 192 * 1024 and ascend.memories["L1"] == 512 * 1024
+    assert ascend.memories["L0A"] == ascend.memories["L0B"] == 64 * 1024
+    assert ascend.memories["L0C"] == 128 * 1024
+    assert ascend.onchip_limit(double_buffered=True) == 96 * 1024
+    h200 = get_profile("h200")
+    assert h200.memory_bandwidth > get_profile("h100").memory_bandwidth
+    assert 150 < h200.ridge_point(torch.bfloat16) < 250
+    cpu = profile_for("cpu")
+    assert cpu.device_type == "cpu" and cpu.core_count >= 1 and cpu.onchip_bytes > 0
+    with pytest.raises(KeyError, match="ascend910b"):
+        get_profile("tpu")
+
+
+def test_ascend_tiling_fits_half_the_unified_buffer():
+    with opforge.use_hardware("ascend910b"):
+        for op, x in [("gelu", torch.ones(1 << 20)), ("reduce_sum", torch.ones(8192, 4096))]:
+            plan = opforge.plan(op, x)
+            assert plan.hardware.name == "ascend910b"
+            assert plan.tiling.onchip_bytes <= 96 * 1024
+            assert plan.grid[0] * (plan.grid[1] if len(plan.grid) > 1 else 1) <= 65535
+
+
+def test_calibrate_caches_measured_ceilings(tmp_path, monkeypatch):
+    from opforge.core import hardware
+
+    monkeypatch.setenv("OPFORGE_CACHE_DIR", str(tmp_path))
+    entry = calibrate("cpu", copy_bytes=1 << 20, matmul_size=64, repeats=3)
+    assert entry["memory_bandwidth"] > 0 and entry["peak_flops"]["float32"] > 0
+    assert (tmp_path / "calibration.json").exists()
+    profile = profile_for("cpu")
+    assert profile.source == "calibrated"
+    assert profile.memory_bandwidth == entry["memory_bandwidth"]
+    hardware._runtime_profiles.clear()

@@ -1,0 +1,83 @@
+"""Portability lint over the operator modules: no API the Triton portability rules ban, and
+every module in the common order (OpDef, reference, kernels, launcher, backward)."""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+import opforge.ops
+
+OPS_DIR = Path(opforge.ops.__file__).parent
+MODULES = sorted(OPS_DIR.glob("*.py"))
+# Dotted names in code (comments and strings excluded) and why each is banned.
+BANNED = {
+    r"(^|\.)libdevice(\.|$)": "libdevice is missing on triton-ascend and in the interpreter",
+    r"(^|\.)inline_asm_elementwise$": "inline assembly is not portable",
+    r"(^|\.)extern_elementwise$": "extern calls are not portable",
+    r"^tl\.topk$": "tl.topk is absent from triton 3.2 (triton-ascend)",
+    r"^tl\.sort$": "tl.sort is not portable for integer keys",
+    r"^tl\.(math\.)?(erf|erfc|tanh)$": "write erf/tanh from primitives",
+    r"^(num_warps|num_stages)$": "GPU-only launch options do not belong in portable kernels",
+}
+
+
+def dotted_names(source: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every ``a.b.c`` chain of NAME tokens in the code."""
+    names: list[tuple[int, str]] = []
+    chain: list[str] = []
+    line = 0
+    expect_name = True
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME and expect_name:
+            chain.append(token.string)
+            line = line or token.start[0]
+            expect_name = False
+        elif token.type == tokenize.OP and token.string == "." and chain:
+            expect_name = True
+        else:
+            if chain:
+                names.append((line, ".".join(chain)))
+            chain, line, expect_name = [], 0, True
+            if token.type == tokenize.NAME:
+                chain, line, expect_name = [token.string], token.start[0], False
+    return names
+
+
+def test_lint_finds_banned_names():
+    names = [name for _, name in dotted_names("import x\ny = tl.math.erf(x)  # tl.sort\n"
+                                              "s = 'libdevice'\nk[g](num_warps=4)\n")]
+    assert "tl.math.erf" in names and "num_warps" in names
+    assert "tl.sort" not in names and "libdevice" not in names
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_no_banned_triton_apis(path):
+    for line, name in dotted_names(path.read_text()):
+        for pattern, why in BANNED.items():
+            assert re.search(pattern, name) is None, f"{path.name}:{line}: {name}: {why}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_loads_of_storage_dtypes_are_widened_to_float32(path):
+    """bf16 arithmetic fails in the interpreter: every tl.load is cast to float32 right away
+    (workspace partials are float32 already)."""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if "tl.load(" in line and "partial" not in line:
+            assert ".to(tl.float32)" in line, f"{path.name}:{number}: {line.strip()}"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if not p.name.startswith("_")],
+                         ids=lambda p: p.name)
+def test_operator_module_order(path):
+    source = path.read_text()
+    markers = ["= OpDef(", ".reference\n", "@triton.jit", '.launcher("triton")',
+               ".autograd(", "register_op("]
+    positions = [source.find(marker) for marker in markers]
+    assert all(p >= 0 for p in positions), dict(zip(markers, positions, strict=True))
+    assert positions == sorted(positions), "order: OpDef, reference, kernels, launcher, " \
+                                           "backward, registration"

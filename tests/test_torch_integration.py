@@ -1,0 +1,170 @@
+"""torch.ops.opforge.*: opcheck, autograd (gradcheck and golden), torch.compile (static and
+dynamic shapes), torch.export and autocast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opforge
+from opforge.core.opdef import Attr, AutocastPolicy, Case, OpDef, OutputArg, TensorArg
+from opforge.library import register_op, schema_for
+from opforge.ops._elementwise import (
+    elementwise_cost,
+    elementwise_grid,
+    elementwise_tiling,
+    same_dtype,
+    same_shape,
+)
+from opforge.precision.metrics import compare
+
+from .conftest import DEVICE, assert_golden
+
+
+def _sample_inputs(name: str):
+    op = opforge.get_op(name)
+    generator = torch.Generator().manual_seed(0)
+    return [case for case in op.samples(torch.float32, DEVICE, generator)
+            if all(t is None or t.numel() for t in case.inputs)][:2]
+
+
+@pytest.mark.parametrize("name", [op.name for op in opforge.list_ops()])
+def test_opcheck(name, backend):
+    op = opforge.get_op(name)
+    for case in _sample_inputs(name):
+        inputs = [t.clone().requires_grad_(op.backward_fn is not None) for t in case.inputs]
+        attrs = op.bind_attrs(case.attrs)
+        args = (*inputs, *(list(v) if isinstance(v, tuple) else v for v in attrs.values()))
+        torch.library.opcheck(op.torch_op, args)
+
+
+def test_schema_is_derived_from_the_opdef():
+    assert schema_for(opforge.get_op("broadcast_add")) == (
+        "(Tensor a, Tensor b, float alpha=1.0) -> Tensor")
+    assert schema_for(opforge.get_op("reduce_sum")) == (
+        "(Tensor x, int[]? dims=None, bool keepdim=False, float scale=1.0) -> Tensor")
+    assert schema_for(opforge.get_op("gelu")) == '(Tensor x, str approximate="none") -> Tensor'
+
+
+def _double(*shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, dtype=torch.float64) * 2).requires_grad_()
+
+
+@pytest.mark.parametrize("function, inputs", [
+    (lambda a, b: opforge.broadcast_add(a, b, -0.7), (_double(3, 1, 4), _double(5, 1, seed=1))),
+    (opforge.sigmoid, (_double(4, 5),)),
+    (lambda x: opforge.gelu(x, "none"), (_double(17),)),
+    (lambda x: opforge.gelu(x, "tanh"), (_double(17),)),
+    (lambda x: opforge.reduce_sum(x, (0, 2), True, 1.5), (_double(2, 3, 4),)),
+    (lambda x: opforge.reduce_sum(x), (_double(3, 2),)),
+], ids=["broadcast_add", "sigmoid", "gelu", "gelu_tanh", "reduce_sum", "reduce_sum_all"])
+def test_gradcheck_float64(function, inputs):
+    assert torch.autograd.gradcheck(function, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_broadcast_add_backward_against_golden(dtype, backend):
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(33, 1, 7, generator=generator).to(DEVICE, dtype).requires_grad_()
+    b = torch.randn(5, 1, generator=generator).to(DEVICE, dtype).requires_grad_()
+    grad = torch.randn(33, 5, 7, generator=generator).to(DEVICE, dtype)
+    opforge.broadcast_add(a, b, 0.5).backward(grad)
+    wide = grad.double().cpu()
+    golden_a, golden_b = wide.sum(1, keepdim=True), 0.5 * wide.sum((0, 2)).reshape(5, 1)
+    scale_a, scale_b = wide.abs().sum(1, keepdim=True), 0.5 * wide.abs().sum((0, 2)).reshape(5, 1)
+    assert a.grad.dtype == dtype and b.grad.dtype == dtype
+    for got, golden, scale in [(a.grad, golden_a, scale_a), (b.grad, golden_b, scale_b)]:
+        assert compare(got, golden, scale).max_eps <= (16 if dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("name, approximate", [("sigmoid", None), ("gelu", "none"),
+                                               ("gelu", "tanh")])
+def test_unary_backward_runs_the_backward_operator(name, approximate, backend):
+    generator = torch.Generator().manual_seed(6)
+    x = (torch.randn(1000, generator=generator) * 4).to(DEVICE).requires_grad_()
+    grad = torch.randn(1000, generator=generator).to(DEVICE)
+    if name == "gelu":
+        opforge.gelu(x, approximate).backward(grad)
+        case = Case("grad", (grad, x.detach()), {"approximate": approximate})
+    else:
+        opforge.sigmoid(x).backward(grad)
+        case = Case("grad", (grad, torch.sigmoid(x.detach().double()).float()), {})
+    backward_op = opforge.get_op(f"{name}_backward")
+    # sigmoid's gradient comes from its rounded output; judge it on that input.
+    assert_golden(backward_op, case, x.grad)
+
+
+def _model(a, b):
+    hidden = opforge.broadcast_add(a, b, 0.5)
+    return opforge.reduce_sum(opforge.gelu(hidden, "tanh") * opforge.sigmoid(hidden), -1)
+
+
+def test_compile_fullgraph_matches_eager(backend):
+    a, b = torch.randn(8, 16), torch.randn(16)
+    compiled = torch.compile(_model, fullgraph=True)
+    torch.testing.assert_close(compiled(a, b), _model(a, b), rtol=0, atol=0)
+
+
+def test_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    compiled = torch.compile(_model, fullgraph=True, dynamic=True)
+    for rows, cols in [(3, 5), (7, 9), (2, 33)]:
+        a, b = torch.randn(rows, cols), torch.randn(cols)
+        torch.testing.assert_close(compiled(a, b), _model(a, b), rtol=0, atol=0)
+
+
+def test_compile_backward():
+    a = torch.randn(6, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    compiled = torch.compile(_model, fullgraph=True)
+    compiled(a, b).sum().backward()
+    grads = (a.grad.clone(), b.grad.clone())
+    a.grad = b.grad = None
+    _model(a, b).sum().backward()
+    torch.testing.assert_close(grads, (a.grad, b.grad), rtol=0, atol=0)
+
+
+def test_export():
+    class Block(torch.nn.Module):
+        def forward(self, a, b):
+            return _model(a, b)
+
+    a, b = torch.randn(4, 8), torch.randn(8)
+    exported = torch.export.export(Block(), (a, b))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"opforge.broadcast_add.default", "opforge.gelu.default"} <= targets
+    torch.testing.assert_close(exported.module()(a, b), _model(a, b), rtol=0, atol=0)
+
+
+def test_autocast_keeps_dtype_for_keep_policy_ops():
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert opforge.gelu(x).dtype == torch.float32
+        assert opforge.broadcast_add(x, x.to(torch.bfloat16)).dtype == torch.float32
+
+
+def _toy(name: str, policy: AutocastPolicy) -> OpDef:
+    toy = OpDef(name=name, doc="x * factor", inputs=(TensorArg("x"),),
+                outputs=(OutputArg("out"),), attrs=(Attr("factor", "float", 2.0),),
+                infer_shape=same_shape, infer_dtype=same_dtype, cost=elementwise_cost(1),
+                tiling=elementwise_tiling, grid=elementwise_grid, samples=lambda *a: [],
+                autocast=policy)
+    toy.reference(lambda x, *, compute_dtype, factor: x.to(compute_dtype) * factor)
+    register_op(toy, namespace="opforge_test")
+    return toy
+
+
+FP32_TOY = _toy("scale_fp32", AutocastPolicy.FP32)
+LOWER_TOY = _toy("scale_lower", AutocastPolicy.LOWER)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_policies(autocast_dtype):
+    low = torch.randn(5).to(autocast_dtype)
+    full = torch.randn(5)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        assert FP32_TOY.torch_op(low, 2.0).dtype == torch.float32
+        assert LOWER_TOY.torch_op(full, 2.0).dtype == autocast_dtype
+    assert FP32_TOY.torch_op(low, 2.0).dtype == autocast_dtype  # outside autocast: as given
+    assert "scale_fp32" not in {op.name for op in opforge.list_ops()}
