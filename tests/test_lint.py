@@ -75,9 +75,11 @@ def test_loads_of_storage_dtypes_are_widened_to_float32(path):
                          ids=lambda p: p.name)
 def test_operator_module_order(path):
     source = path.read_text()
-    markers = ["= OpDef(", ".reference\n", "@triton.jit", '.launcher("triton")',
-               ".autograd(", "register_op("]
-    positions = [source.find(marker) for marker in markers]
+    opdef = re.search(r"^[A-Z_]+ = (OpDef|elementwise_op)\(", source, re.MULTILINE)
+    markers = [".reference\n", "@triton.jit", '.launcher("triton")', ".autograd(",
+               "register_op("]
+    positions = [opdef.start() if opdef else -1] + [source.find(m) for m in markers]
+    markers = ["OpDef", *markers]
     assert all(p >= 0 for p in positions), dict(zip(markers, positions, strict=True))
     assert positions == sorted(positions), "order: OpDef, reference, kernels, launcher, " \
                                            "backward, registration"

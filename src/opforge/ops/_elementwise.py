@@ -9,13 +9,24 @@ common cases (same-shape contiguous: 1 dim; bias add: 2 dims) pay little index a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from opforge.core.errors import ShapeError
 from opforge.core.hardware import HardwareProfile
-from opforge.core.opdef import Attrs, Cost, OpDef, Specs, Tiling
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    OpDef,
+    OutputArg,
+    Specs,
+    TensorArg,
+    Tiling,
+)
 from opforge.core.tiling import cdiv, next_power_of_2, persistent_grid
 
 try:
@@ -140,6 +151,28 @@ def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attr
     return scale
 
 
+def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
+                   samples: Callable[..., list[Case]], *, attrs: tuple[Attr, ...] = (),
+                   flops_per_element: int, temporaries: int = 4,
+                   infer_shape: Callable[[Specs, Attrs], list[tuple[int, ...]]] = same_shape,
+                   check: Callable[[Specs, Attrs], None] | None = None) -> OpDef:
+    """The OpDef of an elementwise operator with one output ``out``: by default the
+    output has the first input's shape and the inputs' promoted dtype; tiling, grid, cost
+    and error scale are the shared ones above."""
+    extra = {"check": check} if check is not None else {}
+    return OpDef(
+        name=name, doc=doc, inputs=inputs, outputs=(OutputArg("out"),), attrs=attrs,
+        infer_shape=infer_shape,
+        infer_dtype=same_dtype if len(inputs) == 1 else promoted_dtype,
+        cost=elementwise_cost(flops_per_element),
+        tiling=functools.partial(elementwise_tiling, temporaries=temporaries),
+        grid=elementwise_grid,
+        error_scale=perturbation_scale,
+        samples=samples,
+        **extra,
+    )
+
+
 def random_input(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
                  generator: torch.Generator, scale: float = 3.0) -> torch.Tensor:
     """Normal samples times ``scale``, drawn in float32 and rounded to ``dtype``."""
@@ -153,9 +186,10 @@ def random_input(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
 if triton is not None:
 
     @triton.jit
-    def _dim_offsets(rem, size, stride_a, stride_b):
+    def _peel_dim(rem, off_a, off_b, size, stride_a, stride_b):
+        """Split the innermost remaining dim off a linear index; add its offsets."""
         index = rem % size
-        return rem // size, index * stride_a, index * stride_b
+        return rem // size, off_a + index * stride_a, off_b + index * stride_b
 
     @triton.jit
     def _elementwise_kernel(
@@ -179,33 +213,19 @@ if triton is not None:
             off_a = lin * 0
             off_b = lin * 0
             if NDIM >= 2:
-                rem, da, db = _dim_offsets(rem, s7, a7, b7)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s7, a7, b7)
             if NDIM >= 3:
-                rem, da, db = _dim_offsets(rem, s6, a6, b6)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s6, a6, b6)
             if NDIM >= 4:
-                rem, da, db = _dim_offsets(rem, s5, a5, b5)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s5, a5, b5)
             if NDIM >= 5:
-                rem, da, db = _dim_offsets(rem, s4, a4, b4)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s4, a4, b4)
             if NDIM >= 6:
-                rem, da, db = _dim_offsets(rem, s3, a3, b3)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s3, a3, b3)
             if NDIM >= 7:
-                rem, da, db = _dim_offsets(rem, s2, a2, b2)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s2, a2, b2)
             if NDIM >= 8:
-                rem, da, db = _dim_offsets(rem, s1, a1, b1)
-                off_a += da
-                off_b += db
+                rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s1, a1, b1)
             off_a += rem * a0
             off_b += rem * b0
             a = tl.load(a_ptr + off_a, mask=mask).to(tl.float32)

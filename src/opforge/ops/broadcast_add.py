@@ -14,17 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from opforge.core.errors import ShapeError
-from opforge.core.opdef import Attr, Attrs, Case, OpDef, OutputArg, Specs, TensorArg
+from opforge.core.opdef import Attr, Attrs, Case, Specs, TensorArg
 from opforge.core.shapes import broadcast_dims, broadcast_shapes, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops._elementwise import (
     MAX_DIMS,
-    elementwise_cost,
-    elementwise_grid,
-    elementwise_tiling,
+    elementwise_op,
     launch_elementwise,
-    perturbation_scale,
-    promoted_dtype,
     random_input,
 )
 
@@ -67,20 +63,11 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
     ]
 
 
-BROADCAST_ADD = OpDef(
-    name=NAME,
-    doc="a + alpha * b with NumPy broadcasting (up to 8 dims) and torch dtype promotion.",
-    inputs=(TensorArg("a"), TensorArg("b")),
-    outputs=(OutputArg("out"),),
+BROADCAST_ADD = elementwise_op(
+    NAME, "a + alpha * b with NumPy broadcasting (up to 8 dims) and torch dtype promotion.",
+    (TensorArg("a"), TensorArg("b")), _samples,
     attrs=(Attr("alpha", "float", 1.0, doc="multiplier of b"),),
-    infer_shape=_infer_shape,
-    infer_dtype=promoted_dtype,
-    check=_check,
-    cost=elementwise_cost(2),
-    tiling=elementwise_tiling,
-    grid=elementwise_grid,
-    error_scale=perturbation_scale,
-    samples=_samples,
+    flops_per_element=2, infer_shape=_infer_shape, check=_check,
 )
 
 

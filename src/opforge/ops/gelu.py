@@ -18,18 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from opforge.core.opdef import Attr, Case, OpDef, OutputArg, TensorArg
+from opforge.core.opdef import Attr, Case, TensorArg
 from opforge.library import register_op
 from opforge.ops._elementwise import (
-    elementwise_cost,
-    elementwise_grid,
-    elementwise_tiling,
+    elementwise_op,
     launch_elementwise,
-    perturbation_scale,
-    promoted_dtype,
     random_input,
-    same_dtype,
-    same_shape,
     same_shape_pair,
     stable_sigmoid,
 )
@@ -86,35 +80,15 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
     return cases
 
 
-GELU = OpDef(
-    name="gelu",
-    doc="x * Phi(x) (erf form, accurate in the tails) or the tanh approximation.",
-    inputs=(TensorArg("x"),),
-    outputs=(OutputArg("out"),),
-    attrs=(APPROXIMATE,),
-    infer_shape=same_shape,
-    infer_dtype=same_dtype,
-    cost=elementwise_cost(30),
-    tiling=lambda i, o, a, hw: elementwise_tiling(i, o, a, hw, temporaries=8),
-    grid=elementwise_grid,
-    error_scale=perturbation_scale,
-    samples=_samples,
+GELU = elementwise_op(
+    "gelu", "x * Phi(x) (erf form, accurate in the tails) or the tanh approximation.",
+    (TensorArg("x"),), _samples, attrs=(APPROXIMATE,), flops_per_element=30, temporaries=8,
 )
 
-GELU_BACKWARD = OpDef(
-    name="gelu_backward",
-    doc="grad * d gelu(x)/dx for either form.",
-    inputs=(TensorArg("grad"), TensorArg("x")),
-    outputs=(OutputArg("grad_x"),),
-    attrs=(APPROXIMATE,),
-    infer_shape=same_shape,
-    infer_dtype=promoted_dtype,
-    check=same_shape_pair("gelu_backward", ("grad", "x")),
-    cost=elementwise_cost(40),
-    tiling=lambda i, o, a, hw: elementwise_tiling(i, o, a, hw, temporaries=10),
-    grid=elementwise_grid,
-    error_scale=perturbation_scale,
-    samples=_backward_samples,
+GELU_BACKWARD = elementwise_op(
+    "gelu_backward", "grad * d gelu(x)/dx for either form.",
+    (TensorArg("grad"), TensorArg("x")), _backward_samples, attrs=(APPROXIMATE,),
+    flops_per_element=40, temporaries=10, check=same_shape_pair("gelu_backward", ("grad", "x")),
 )
 
 

@@ -12,18 +12,12 @@ from collections.abc import Sequence
 
 import torch
 
-from opforge.core.opdef import Case, OpDef, OutputArg, TensorArg
+from opforge.core.opdef import Case, TensorArg
 from opforge.library import register_op
 from opforge.ops._elementwise import (
-    elementwise_cost,
-    elementwise_grid,
-    elementwise_tiling,
+    elementwise_op,
     launch_elementwise,
-    perturbation_scale,
-    promoted_dtype,
     random_input,
-    same_dtype,
-    same_shape,
     same_shape_pair,
 )
 
@@ -62,35 +56,13 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
             Case("zero_size", pair(0))]
 
 
-SIGMOID = OpDef(
-    name="sigmoid",
-    doc="1 / (1 + exp(-x)), overflow-free for any |x|.",
-    inputs=(TensorArg("x"),),
-    outputs=(OutputArg("out"),),
-    attrs=(),
-    infer_shape=same_shape,
-    infer_dtype=same_dtype,
-    cost=elementwise_cost(4),
-    tiling=elementwise_tiling,
-    grid=elementwise_grid,
-    error_scale=perturbation_scale,
-    samples=_samples,
-)
+SIGMOID = elementwise_op("sigmoid", "1 / (1 + exp(-x)), overflow-free for any |x|.",
+                         (TensorArg("x"),), _samples, flops_per_element=4)
 
-SIGMOID_BACKWARD = OpDef(
-    name="sigmoid_backward",
-    doc="grad * y * (1 - y), from the forward output y.",
-    inputs=(TensorArg("grad"), TensorArg("y")),
-    outputs=(OutputArg("grad_x"),),
-    attrs=(),
-    infer_shape=same_shape,
-    infer_dtype=promoted_dtype,
+SIGMOID_BACKWARD = elementwise_op(
+    "sigmoid_backward", "grad * y * (1 - y), from the forward output y.",
+    (TensorArg("grad"), TensorArg("y")), _backward_samples, flops_per_element=3,
     check=same_shape_pair("sigmoid_backward", ("grad", "y")),
-    cost=elementwise_cost(3),
-    tiling=elementwise_tiling,
-    grid=elementwise_grid,
-    error_scale=perturbation_scale,
-    samples=_backward_samples,
 )
 
 
