@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/replay.py
+	TRITON_INTERPRET=1 $(BIN)/python benchmarks/replay.py
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

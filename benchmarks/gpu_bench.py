@@ -1,0 +1,465 @@
+"""GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
+
+For a bias add ``(M, N) + (N,)``, GELU and sigmoid in bfloat16 at large sizes, this script
+
+1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
+2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
+   pre-planned ``plan.run(..., out=...)``, torch eager and ``torch.compile`` with
+   ``triton.testing.do_bench`` (median; do_bench flushes the L2 cache between calls);
+3. reports achieved bandwidth, bytes read + written / time, and its fraction of the measured
+   copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
+   ceiling of a memory-bound elementwise kernel;
+4. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
+   new values into the captured inputs, replays, and checks the result equals an ordinary
+   run of the same plan (for ``broadcast_add`` and for a split ``reduce_sum``, whose
+   partial sums live in the workspace).
+
+Usage (on the GPU machine, from the repository root)::
+
+    PYTHONPATH=src python benchmarks/gpu_bench.py [--out DIR] [--sizes 8192x8192,16384x8192]
+
+Writes ``<out>/gpu_bench_<date>_<time>.{csv,md}`` (``--out`` defaults to ``$OUT``, else
+benchmarks/results) and exits non-zero when a correctness or graph check fails or a
+measurement errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from torch.nn import functional
+from triton.testing import do_bench
+
+import opforge
+
+ALPHA = 1.0
+GELU_APPROXIMATE = "none"
+# torch.testing.assert_close's defaults for bfloat16: about one bfloat16 ulp (2^-7) relative.
+BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-5
+# A split reduce_sum for the graph check: few output columns and many rows make tiling split
+# the reduced axis across programs, which needs a workspace for the partial sums.
+REDUCE_SHAPE = (16384, 512)
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One operator at one size.
+
+    Attributes:
+        op: opforge operator name.
+        shape: ``(M, N)`` of the main input.
+        inputs: input tensors in prototype order.
+        attrs: operator attributes (for `opforge.plan`).
+        opforge_fn: the functional API call.
+        eager_fn: the torch eager equivalent (also compiled with torch.compile).
+        bytes_moved: bytes read plus bytes written by one call.
+    """
+
+    op: str
+    shape: tuple[int, int]
+    inputs: Tensors
+    attrs: dict[str, Any]
+    opforge_fn: Callable[..., torch.Tensor]
+    eager_fn: Callable[..., torch.Tensor]
+    bytes_moved: int
+
+
+@dataclass
+class Row:
+    """One line of the report: a measurement or a check."""
+
+    kind: str  # "copy", "check", "time" or "graph"
+    op: str
+    shape: str
+    dtype: str
+    impl: str
+    median_us: float | None = None
+    bytes_moved: int | None = None
+    gb_per_s: float | None = None
+    fraction_of_copy: float | None = None
+    max_abs_diff: float | None = None
+    status: str = "ok"
+    detail: str = ""
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"8192x4096"`` -> ``(8192, 4096)``.
+
+    Raises:
+        ValueError: not two positive integers joined by ``x``.
+    """
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"expected a shape like 8192x8192, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _bias_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.add(a, b, alpha=ALPHA)
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return functional.gelu(x, approximate=GELU_APPROXIMATE)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    # A Python function, not torch.sigmoid itself: torch.compile traces Python frames, and
+    # a builtin passed to it directly would run eagerly, uncompiled.
+    return torch.sigmoid(x)
+
+
+def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+               generator: torch.Generator) -> list[OpCase]:
+    """The three operators at ``shape``, with random normal inputs on ``device``."""
+    m, n = shape
+    item = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
+    bias = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    elementwise_bytes = 2 * m * n * item
+    return [
+        OpCase("broadcast_add", shape, (x, bias), {"alpha": ALPHA},
+               lambda a, b: opforge.broadcast_add(a, b, ALPHA), _bias_add,
+               elementwise_bytes + n * item),
+        OpCase("gelu", shape, (x,), {"approximate": GELU_APPROXIMATE},
+               lambda t: opforge.gelu(t, GELU_APPROXIMATE), _gelu, elementwise_bytes),
+        OpCase("sigmoid", shape, (x,), {}, opforge.sigmoid, _sigmoid, elementwise_bytes),
+    ]
+
+
+def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest ``|actual - expected|``, computed in float32."""
+    return (actual.float() - expected.float()).abs().max().item()
+
+
+def bench_us(fn: Callable[[], Any], warmup_ms: int, rep_ms: int) -> float:
+    """Median microseconds of ``fn`` by `triton.testing.do_bench`."""
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def bandwidth(bytes_moved: int, microseconds: float) -> float:
+    """GB/s (10^9 bytes per second)."""
+    return bytes_moved / (microseconds * 1e-6) / 1e9
+
+
+def measure_copy(nbytes: int, device: torch.device, warmup_ms: int, rep_ms: int) -> Row:
+    """Device-to-device copy of ``nbytes``: reads and writes ``nbytes`` each."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), warmup_ms, rep_ms)
+    moved = 2 * nbytes
+    return Row("copy", "copy_", f"{nbytes >> 20} MiB", "uint8", "torch", us, moved,
+               bandwidth(moved, us), 1.0)
+
+
+def _error_row(kind: str, op: str, shape: str, dtype: str, impl: str,
+               error: Exception) -> Row:
+    return Row(kind, op, shape, dtype, impl, status="ERROR",
+               detail=f"{type(error).__name__}: {error}"[:300])
+
+
+def check_case(case: OpCase) -> Row:
+    """opforge vs torch eager on the case's inputs, with bfloat16 tolerances."""
+    actual = case.opforge_fn(*case.inputs)
+    expected = case.eager_fn(*case.inputs)
+    torch.cuda.synchronize()
+    diff = max_abs_diff(actual, expected)
+    close = torch.allclose(actual.float(), expected.float(), rtol=BF16_RTOL, atol=BF16_ATOL)
+    backend = opforge.plan(case.op, *case.inputs, **case.attrs).backend
+    status = "ok" if close and backend == "triton" else "FAIL"
+    detail = f"opforge backend={backend}" + ("" if close else "; outside bf16 tolerance")
+    return Row("check", case.op, _shape_text(case.shape), _dtype_text(case.inputs[0].dtype),
+               "opforge vs torch eager", max_abs_diff=diff, status=status, detail=detail)
+
+
+def implementations(case: OpCase, compiled: Callable[..., torch.Tensor] | None
+                    ) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, zero-argument call) for every implementation timed on ``case``."""
+    inputs = case.inputs
+    plan = opforge.plan(case.op, *inputs, **case.attrs)
+    out = torch.empty(plan.outputs[0].shape, dtype=plan.outputs[0].dtype,
+                      device=inputs[0].device)
+    impls: list[tuple[str, Callable[[], Any]]] = [
+        ("opforge functional", lambda: case.opforge_fn(*inputs)),
+        # Planned once, output preallocated: the host path is just the launch, which tells
+        # how much of the functional row is host overhead rather than kernel time.
+        ("opforge plan.run(out=)", lambda: plan.run(*inputs, out=out)),
+        ("torch eager", lambda: case.eager_fn(*inputs)),
+    ]
+    if compiled is not None:
+        impls.append(("torch.compile", lambda: compiled(*inputs)))
+    return impls
+
+
+def time_case(case: OpCase, compiled: Callable[..., torch.Tensor] | None, copy_gb_s: float,
+              warmup_ms: int, rep_ms: int) -> list[Row]:
+    """One timing row per implementation; an implementation that raises gets an error row."""
+    rows = []
+    shape, dtype = _shape_text(case.shape), _dtype_text(case.inputs[0].dtype)
+    for name, call in implementations(case, compiled):
+        # A failing implementation (an inductor error, say) is reported and the others
+        # still run: the machine time is scarce.
+        try:
+            # The first call compiles (Triton JIT, inductor): keep it out of do_bench's
+            # estimate of how many calls fit in its time budget.
+            call()
+            torch.cuda.synchronize()
+            us = bench_us(call, warmup_ms, rep_ms)
+        except Exception as error:
+            rows.append(_error_row("time", case.op, shape, dtype, name, error))
+            continue
+        gb_s = bandwidth(case.bytes_moved, us)
+        rows.append(Row("time", case.op, shape, dtype, name, us, case.bytes_moved, gb_s,
+                        gb_s / copy_gb_s))
+    return rows
+
+
+def measure_case(case: OpCase, compiled: Callable[..., torch.Tensor] | None,
+                 copy_gb_s: float, warmup_ms: int, rep_ms: int) -> list[Row]:
+    """The correctness check, then the timings, of one case; an error in the check or in
+    planning becomes an ERROR row and the run goes on to the next case."""
+    try:
+        return [check_case(case), *time_case(case, compiled, copy_gb_s, warmup_ms, rep_ms)]
+    except Exception as error:
+        return [_error_row("check", case.op, _shape_text(case.shape),
+                           _dtype_text(case.inputs[0].dtype), "opforge", error)]
+
+
+def graph_check(op: str, inputs: Tensors, attrs: dict[str, Any],
+                reference: Callable[..., torch.Tensor], warmup_ms: int, rep_ms: int) -> Row:
+    """Capture ``plan.run(*inputs, out=out, workspace=ws)`` in a CUDA graph, refill the
+    captured inputs, replay, and compare with an ordinary run of the plan on the new values.
+
+    The kernels are deterministic, so the replay must match the ordinary run exactly; the
+    difference from torch is reported for information.
+    """
+    device = inputs[0].device
+    plan = opforge.plan(op, *inputs, **attrs)
+    spec = plan.outputs[0]
+    out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=device)
+    # Warm up on a side stream, as torch.cuda.graphs requires: the first launch compiles the
+    # Triton kernel, which must not happen during capture.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        plan.run(*inputs, out=out, workspace=workspace)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*inputs, out=out, workspace=workspace)
+    generator = torch.Generator(device=device).manual_seed(1)
+    for tensor in inputs:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator, device=device,
+                                 dtype=tensor.dtype))
+    graph.replay()
+    expected = plan.run(*inputs)
+    torch.cuda.synchronize(device)
+    identical = torch.equal(out, expected)
+    us = bench_us(graph.replay, warmup_ms, rep_ms)
+    detail = (f"backend={plan.backend}, tiling={plan.tiling.variant if plan.tiling else '-'}, "
+              f"workspace={plan.workspace_bytes} B, replay equals run: {identical}")
+    return Row("graph", op, _shape_text(tuple(inputs[0].shape)), _dtype_text(spec.dtype),
+               "CUDA graph replay", us, max_abs_diff=max_abs_diff(out, reference(*inputs)),
+               status="ok" if identical else "FAIL", detail=detail)
+
+
+def graph_checks(dtype: torch.dtype, device: torch.device, warmup_ms: int, rep_ms: int
+                 ) -> list[Row]:
+    """Graph checks of a bias add (no workspace) and a split reduce_sum (workspace)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    m, n = REDUCE_SHAPE
+    a = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
+    b = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
+    cases = [
+        ("broadcast_add", (a, b), {"alpha": ALPHA}, _bias_add),
+        ("reduce_sum", (x,), {"dims": (0,)}, lambda t: t.sum(0)),
+    ]
+    rows = []
+    for op, inputs, attrs, reference in cases:
+        try:
+            rows.append(graph_check(op, inputs, attrs, reference, warmup_ms, rep_ms))
+        except Exception as error:  # reported; the next check still runs
+            rows.append(_error_row("graph", op, _shape_text((m, n)), _dtype_text(dtype),
+                                   "CUDA graph replay", error))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Date, device and versions of this run."""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "triton": triton.__version__,
+        "opforge": opforge.__version__,
+        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(rows: Sequence[Row], env: dict[str, str], config: dict[str, Any]) -> str:
+    """Environment, configuration, then one table each for copy, checks, timings, graphs."""
+    lines = [f"# opforge GPU benchmark — {env['date']}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    lines += [f"| {k} | `{v}` |" for k, v in config.items()]
+    copy = [r for r in rows if r.kind == "copy"]
+    if copy:
+        lines += ["", f"Copy bandwidth (`dst.copy_(src)`, {copy[0].shape}, "
+                      f"2 x bytes / time): **{copy[0].gb_per_s:.0f} GB/s** "
+                      f"({copy[0].median_us:.1f} µs)."]
+    lines += ["", "## Correctness (opforge vs torch eager, before timing)", "",
+              "| op | shape | dtype | max abs diff | status | detail |",
+              "|---|---|---|---:|---|---|"]
+    lines += [f"| {r.op} | {r.shape} | {r.dtype} | {_fmt(r.max_abs_diff, '.3g')} "
+              f"| {r.status} | {r.detail} |" for r in rows if r.kind == "check"]
+    lines += ["", "## Timings (do_bench median)", "",
+              "| op | shape | dtype | implementation | µs | GB/s | of copy bw | status |",
+              "|---|---|---|---|---:|---:|---:|---|"]
+    lines += [f"| {r.op} | {r.shape} | {r.dtype} | {r.impl} | {_fmt(r.median_us, '.1f')} "
+              f"| {_fmt(r.gb_per_s, '.0f')} | {_fmt(r.fraction_of_copy, '.1%')} "
+              f"| {r.status}{' ' + r.detail if r.detail else ''} |"
+              for r in rows if r.kind == "time"]
+    lines += ["", "## CUDA graph capture of plan.run(..., out=, workspace=)", "",
+              "| op | shape | dtype | replay µs | max abs diff vs torch | status | detail |",
+              "|---|---|---|---:|---:|---|---|"]
+    lines += [f"| {r.op} | {r.shape} | {r.dtype} | {_fmt(r.median_us, '.1f')} "
+              f"| {_fmt(r.max_abs_diff, '.3g')} | {r.status} | {r.detail} |"
+              for r in rows if r.kind == "graph"]
+    lines += [
+        "", "GB/s counts bytes read plus bytes written once each (the bias vector once). "
+        "\"of copy bw\" divides by the copy bandwidth above. \"opforge functional\" includes "
+        "the host path (torch.ops dispatch, plan-cache lookup, output allocation); when it "
+        "is slower than \"opforge plan.run(out=)\", host overhead is not hidden behind the "
+        "previous kernel. The graph rows' diff vs torch comes from summation order "
+        "(reduce_sum) and is informational; the check is replay == ordinary run.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, rows: Sequence[Row], env: dict[str, str],
+                  config: dict[str, Any]) -> tuple[Path, Path, str]:
+    """Write ``gpu_bench_<date>_<time>.{csv,md}`` under ``out``; returns the paths and Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    # Date and time: a second run on the same day must not overwrite the first.
+    stem = f"gpu_bench_{datetime.datetime.now():%Y-%m-%d_%H%M%S}"
+    csv_path = out / f"{stem}.csv"
+    with csv_path.open("w", newline="") as handle:
+        fields = [*env, *config, *asdict(rows[0])]
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**env, **config, **asdict(row)})
+    text = markdown(rows, env, config)
+    md_path = out / f"{stem}.md"
+    md_path.write_text(text)
+    return csv_path, md_path, text
+
+
+def _print_row(row: Row) -> None:
+    # One line per result as it comes, so that a run cut short still leaves figures in
+    # the log.
+    print(" ".join(f"{k}={v}" for k, v in asdict(row).items() if v not in (None, "")),
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT") or
+                                     Path(__file__).parent / "results"),
+                        help="output directory (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--sizes", default="8192x8192,16384x8192",
+                        help="comma-separated MxN shapes")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        default="bfloat16")
+    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup (ms)")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring (ms)")
+    parser.add_argument("--copy-mib", type=int, default=1024,
+                        help="size of the copy-bandwidth buffer (MiB)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        args.shapes = [parse_shape(s) for s in args.sizes.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run checks and timings, write the results; 1 when anything failed."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench.py needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    # No "dtype" key: every row carries its dtype, and CSV columns must be unique.
+    config = {"sizes": args.sizes, "warmup_ms": args.warmup_ms,
+              "rep_ms": args.rep_ms, "copy_mib": args.copy_mib,
+              "torch_compile": not args.no_compile, "seed": args.seed,
+              "gelu_approximate": GELU_APPROXIMATE, "alpha": ALPHA}
+    rows = [measure_copy(args.copy_mib << 20, device, args.warmup_ms, args.rep_ms)]
+    _print_row(rows[0])
+    copy_gb_s = rows[0].gb_per_s
+    assert copy_gb_s is not None
+    # One compiled function per operator: a new shape recompiles (dynamic=False), which
+    # gives inductor's best kernel for each size, as a static-shape deployment would get.
+    compiled: dict[str, Callable[..., torch.Tensor]] = {}
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    for shape in args.shapes:
+        for case in make_cases(shape, dtype, device, generator):
+            if not args.no_compile and case.op not in compiled:
+                compiled[case.op] = torch.compile(case.eager_fn, dynamic=False)
+            new_rows = measure_case(case, compiled.get(case.op), copy_gb_s, args.warmup_ms,
+                                    args.rep_ms)
+            for row in new_rows:
+                _print_row(row)
+            rows += new_rows
+        torch.cuda.empty_cache()
+    for row in graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
+        _print_row(row)
+        rows.append(row)
+    csv_path, md_path, text = write_results(args.out, rows, environment(device), config)
+    print(text)
+    print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
+    return 0 if all(r.status == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU check of opforge, for the GPU machine; run from the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # results in $OUT (default benchmarks/results/gpu)
+#
+# Steps: environment (env.txt), `opforge verify` on CUDA, benchmarks/gpu_bench.py,
+# benchmarks/replay.py. Each step's output goes to $OUT/<step>.log and its exit status to
+# $OUT/status.txt. A failing step does not stop the later ones (each measures something
+# different and the machine time is scarce); the script exits 1 if any step failed.
+# Per-step time limits keep the whole run within about 8 minutes; override them with
+# VERIFY_TIMEOUT, BENCH_TIMEOUT and REPLAY_TIMEOUT (seconds).
+set -euo pipefail
+
+OUT=${OUT:-benchmarks/results/gpu}
+PYTHON=${PYTHON:-python}
+export PYTHONPATH=src
+mkdir -p "$OUT"
+: > "$OUT/status.txt"
+failed=0
+
+# record NAME RC START_SECONDS: append the step's status to status.txt, count a failure.
+record() {
+  echo "$1 rc=$2 $((SECONDS - $3))s" | tee -a "$OUT/status.txt"
+  if [ "$2" -ne 0 ]; then
+    failed=$((failed + 1))
+  fi
+}
+
+# step NAME LIMIT_SECONDS COMMAND...: run COMMAND under a time limit, output tee'd to
+# $OUT/NAME.log. timeout's 124 in status.txt means the limit was hit.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS rc=0
+  echo "=== $name: $*" | tee "$OUT/$name.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || rc=$?
+  record "$name" "$rc" "$start"
+}
+
+start=$SECONDS
+rc=0
+{
+  date -Is
+  nvidia-smi || rc=$?
+  "$PYTHON" -c 'import platform, torch, triton
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print("triton", triton.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")' \
+    || rc=$?
+  "$PYTHON" -m opforge doctor || rc=$?
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+record env "$rc" "$start"
+
+step verify "${VERIFY_TIMEOUT:-150}" "$PYTHON" -m opforge verify --device cuda \
+  --report "$OUT/verify"
+step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT"
+step replay "${REPLAY_TIMEOUT:-120}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
+
+echo "=== summary"
+cat "$OUT/status.txt"
+if [ "$failed" -ne 0 ]; then
+  echo "$failed step(s) failed" >&2
+  exit 1
+fi
