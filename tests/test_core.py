@@ -267,6 +267,19 @@ def test_ascend_tiling_fits_half_the_unified_buffer():
             assert plan.grid[0] * (plan.grid[1] if len(plan.grid) > 1 else 1) <= 65535
 
 
+def test_tiling_falls_back_to_a_variant_that_fits():
+    from opforge.core.hardware import HardwareProfile
+
+    small = HardwareProfile("small", "cpu", 1e9, {torch.float32: 1e9}, onchip_bytes=40 * 1024,
+                            core_count=4)
+    x = torch.ones(1 << 16)
+    preferred = opforge.plan("gelu", x).tiling
+    with opforge.use_hardware(small):
+        plan = opforge.plan("gelu", x)
+    assert plan.tiling.blocks["BLOCK"] < preferred.blocks["BLOCK"]
+    assert plan.tiling.onchip_bytes <= 20 * 1024 < preferred.onchip_bytes
+
+
 def test_calibrate_caches_measured_ceilings(tmp_path, monkeypatch):
     from opforge.core import hardware
 

@@ -168,3 +168,17 @@ def test_autocast_policies(autocast_dtype):
         assert LOWER_TOY.torch_op(full, 2.0).dtype == autocast_dtype
     assert FP32_TOY.torch_op(low, 2.0).dtype == autocast_dtype  # outside autocast: as given
     assert "scale_fp32" not in {op.name for op in opforge.list_ops()}
+
+
+def test_nn_modules_drop_in_for_torch():
+    from opforge import nn
+
+    x = torch.randn(4, 9)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 9), nn.GELU("tanh"), nn.Sigmoid())
+    reference = torch.nn.Sequential(model[0], torch.nn.GELU("tanh"), torch.nn.Sigmoid())
+    assert "approximate='tanh'" in repr(model)
+    ours, theirs = model(x), reference(x)
+    stats = compare(ours, theirs.double())
+    assert stats.max_rel < 1e-5
+    ours.sum().backward()
+    assert model[0].weight.grad is not None

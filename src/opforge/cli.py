@@ -111,7 +111,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("backend for accelerator tensors",
          "torch" if backends.requested_backend() == "torch" else "triton"),
         ("Triton interpreter (TRITON_INTERPRET)", str(backends.interpreter_enabled())),
-        (f"hardware profile ({device})", f"{profile.name} [{profile.source}]"),
+        (f"hardware profile ({device})", f"{profile.name} ({profile.source})"),
         ("  memory bandwidth", f"{profile.memory_bandwidth / 1e9:.1f} GB/s"),
         ("  peak fp32 / bf16", f"{profile.peak(torch.float32) / 1e12:.2f} / "
                                f"{profile.peak(torch.bfloat16) / 1e12:.2f} TFLOP/s"),

@@ -42,8 +42,10 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``). Read once:
+    Triton decides it when the kernels are defined, at import."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

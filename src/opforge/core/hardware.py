@@ -97,7 +97,7 @@ PROFILES: dict[str, HardwareProfile] = {
 
 _override = threading.local()
 _lock = threading.Lock()
-_runtime_profiles: dict[str, HardwareProfile] = {}
+_runtime_profiles: dict[torch.device, HardwareProfile] = {}
 
 
 def _cpu_l2_bytes() -> int:
@@ -159,13 +159,15 @@ def profile_for(device: torch.device | str | None = None) -> HardwareProfile:
     env = os.environ.get("OPFORGE_HARDWARE")
     if env:
         return get_profile(env)
-    device = torch.device(device if device is not None else "cpu")
-    key = str(device)
-    with _lock:
-        cached = _runtime_profiles.get(key)
-        if cached is None:
-            cached = _with_calibration(_builtin_profile(device))
-            _runtime_profiles[key] = cached
+    if not isinstance(device, torch.device):
+        device = torch.device(device if device is not None else "cpu")
+    cached = _runtime_profiles.get(device)
+    if cached is None:
+        with _lock:
+            cached = _runtime_profiles.get(device)
+            if cached is None:
+                cached = _with_calibration(_builtin_profile(device))
+                _runtime_profiles[device] = cached
     return cached
 
 

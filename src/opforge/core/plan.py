@@ -119,8 +119,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("attrs", "backend", "cost", "grid", "hardware", "inputs", "op", "outputs",
-                 "tiling", "workspace_bytes")
+    __slots__ = ("_empty", "attrs", "backend", "cost", "grid", "hardware", "inputs", "op",
+                 "outputs", "tiling", "workspace_bytes")
 
     def __init__(self, op: OpDef, signature: Signature, backend: str,
                  hardware: HardwareProfile, tiling: Tiling | None, grid: tuple[int, ...],
@@ -135,6 +135,7 @@ class Plan:
         self.grid = grid
         self.workspace_bytes = workspace_bytes
         self.cost = cost
+        self._empty = not any(spec.numel for spec in self.outputs)
 
     def __repr__(self) -> str:
         ins = ", ".join("None" if s is None else str(s) for s in self.inputs)
@@ -202,7 +203,7 @@ class Plan:
         inputs = self._check_inputs(tensors)
         targets, results = self._outputs(out)
         scratch = self._workspace(workspace)
-        if any(spec.numel for spec in self.outputs):
+        if not self._empty:
             if self.backend == "torch":
                 run_reference(self, inputs, targets, scratch)
             elif backends.interpreter_enabled():
