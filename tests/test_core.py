@@ -291,3 +291,15 @@ def test_calibrate_caches_measured_ceilings(tmp_path, monkeypatch):
     assert profile.source == "calibrated"
     assert profile.memory_bandwidth == entry["memory_bandwidth"]
     hardware._runtime_profiles.clear()
+
+
+def test_collapse_dims_merges_what_is_contiguous_in_every_operand():
+    from opforge.ops._elementwise import collapse_dims
+
+    # Same-shape contiguous operands: one dim.
+    assert collapse_dims((4, 5, 6), [[30, 6, 1], [30, 6, 1]]) == ([120], [[1], [1]])
+    # A bias broadcast over rows (stride 0) keeps two dims; size-1 dims vanish.
+    assert collapse_dims((4, 1, 6), [[6, 6, 1], [0, 0, 1]]) == ([4, 6], [[6, 1], [0, 1]])
+    # A transposed operand blocks the merge.
+    assert collapse_dims((3, 5), [[5, 1], [1, 3]]) == ([3, 5], [[5, 1], [1, 3]])
+    assert collapse_dims((1, 1), [[1, 1]]) == ([1], [[0]])
