@@ -26,10 +26,7 @@ measurement errors.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import platform
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -37,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 from torch.nn import functional
 from triton.testing import do_bench
 
 import opforge
+from reporting import environment, write_results
 
 ALPHA = 1.0
 GELU_APPROXIMATE = "none"
@@ -309,20 +306,6 @@ def _dtype_text(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def environment(device: torch.device) -> dict[str, str]:
-    """Date, device and versions of this run."""
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "triton": triton.__version__,
-        "opforge": opforge.__version__,
-        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
-    }
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -364,25 +347,6 @@ def markdown(rows: Sequence[Row], env: dict[str, str], config: dict[str, Any]) -
         "(reduce_sum) and is informational; the check is replay == ordinary run.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_results(out: Path, rows: Sequence[Row], env: dict[str, str],
-                  config: dict[str, Any]) -> tuple[Path, Path, str]:
-    """Write ``gpu_bench_<date>_<time>.{csv,md}`` under ``out``; returns the paths and Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    # Date and time: a second run on the same day must not overwrite the first.
-    stem = f"gpu_bench_{datetime.datetime.now():%Y-%m-%d_%H%M%S}"
-    csv_path = out / f"{stem}.csv"
-    with csv_path.open("w", newline="") as handle:
-        fields = [*env, *config, *asdict(rows[0])]
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**env, **config, **asdict(row)})
-    text = markdown(rows, env, config)
-    md_path = out / f"{stem}.md"
-    md_path.write_text(text)
-    return csv_path, md_path, text
 
 
 def _print_row(row: Row) -> None:
@@ -455,7 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
         _print_row(row)
         rows.append(row)
-    csv_path, md_path, text = write_results(args.out, rows, environment(device), config)
+    env = environment(device)
+    text = markdown(rows, env, config)
+    flat = [{**env, **config, **asdict(row)} for row in rows]
+    csv_path, md_path = write_results(args.out, "gpu_bench", flat, text)
     print(text)
     print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
     return 0 if all(r.status == "ok" for r in rows) else 1

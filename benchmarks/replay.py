@@ -34,12 +34,9 @@ Writes ``<out>/replay_<date>_<time>.csv`` and ``.md`` and prints the Markdown to
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -53,6 +50,7 @@ import torch
 from torch.nn import functional
 
 import opforge
+from reporting import environment, write_results
 
 BATCHES = (1, 2, 4)
 ALPHA = 0.5
@@ -290,41 +288,6 @@ def run_section(backend: str, workload: Workload, repeats: int, device: torch.de
 # Environment and report
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def environment(device: torch.device) -> dict[str, str]:
-    """Date, machine, versions and device of this run."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    described = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
-                 else str(device))
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": platform.processor() or _cpu_model() or platform.machine(),
-        "cpu_count": str(os.cpu_count()),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "opforge": opforge.__version__,
-        "device": described,
-        "torch_threads": str(torch.get_num_threads()),
-    }
-
-
 def configuration(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     """Everything that determines the replayed sequence and how it was measured."""
     rows = sorted({b * s for b, s in workload.shapes})
@@ -448,25 +411,6 @@ def markdown(sections: Sequence[Section], env: dict[str, str], config: dict[str,
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, sections: Sequence[Section], env: dict[str, str],
-                  config: dict[str, Any]) -> tuple[Path, Path, str]:
-    """Write ``replay_<date>_<time>.csv`` and ``.md`` under ``out``; returns both paths and the
-    Markdown text."""
-    out.mkdir(parents=True, exist_ok=True)
-    # Date and time: a second run on the same day must not overwrite the first.
-    stem = f"replay_{datetime.datetime.now():%Y-%m-%d_%H%M%S}"
-    rows = csv_rows(sections, env, config)
-    csv_path = out / f"{stem}.csv"
-    with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    text = markdown(sections, env, config)
-    md_path = out / f"{stem}.md"
-    md_path.write_text(text)
-    return csv_path, md_path, text
-
-
 # ---------------------------------------------------------------------------------------------
 # Command line
 
@@ -530,7 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sections.append(run_section(backend, workload, repeats, device))
     env = environment(device)
     config = configuration(args, workloads[0])
-    csv_path, md_path, text = write_results(args.out, sections, env, config)
+    text = markdown(sections, env, config)
+    csv_path, md_path = write_results(args.out, "replay", csv_rows(sections, env, config),
+                                      text)
     print(text)
     print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
     return 0
