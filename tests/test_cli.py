@@ -59,3 +59,31 @@ def test_verify_turns_the_interpreter_on_by_itself(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "triton" in done.stdout and "0 failed" in done.stdout
+
+
+@pytest.mark.slow
+def test_compile_check_builds_every_kernel_variant_for_sm90():
+    """Every kernel variant the samples launch (and its int64-offset twin) compiles to
+    cubin for compute capability 9.0, tiled for an H100, without a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "opforge", "compile-check", "--dtype",
+                           "bfloat16"], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for kernel in ("_elementwise_kernel", "_reduce_rows_kernel", "_reduce_partials_kernel"):
+        assert kernel in done.stdout
+    assert "WIDE=True" in done.stdout and " 0 failed" in done.stdout
+
+
+def test_compile_check_needs_compiled_kernels():
+    import torch
+
+    import opforge
+    from opforge.aot import parse_target, record_variants
+
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        record_variants([opforge.get_op("sigmoid")], [torch.float32],
+                        opforge.core.hardware.get_profile("h100"))
+    with pytest.raises(ValueError, match="cuda:<cc>"):
+        parse_target("gfx942")
+    assert parse_target("cuda:80")[1].name == "a100"

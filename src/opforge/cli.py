@@ -1,4 +1,5 @@
-"""The ``opforge`` command: ``ops``, ``verify``, ``doctor``, ``calibrate``."""
+"""The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``doctor``,
+``calibrate``."""
 
 from __future__ import annotations
 
@@ -124,6 +125,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile_check(args: argparse.Namespace) -> int:
+    import torch
+
+    import opforge
+    from opforge.aot import compile_variants, parse_target, record_variants
+
+    ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
+    dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else [
+        torch.float32, torch.float16, torch.bfloat16]
+    target, hardware = parse_target(args.target)
+    results = compile_variants(record_variants(ops, dtypes, hardware), target)
+    table = Table(title=f"opforge compile-check for {args.target}, tiled for {hardware.name} "
+                        "(no device needed)")
+    for column in ("kernel", "variant", "operators", "status", "s", "regs", "stack B",
+                   "shared B"):
+        table.add_column(column)
+    for r in results:
+        status = "[green]ok[/]" if r.ok else f"[red]FAIL[/] {r.error}"
+        table.add_row(r.variant.name, r.variant.describe(), ", ".join(sorted(r.variant.ops)),
+                      status, f"{r.seconds:.2f}", *(str(v) if v is not None else "-"
+                                                    for v in (r.registers, r.stack_bytes,
+                                                              r.shared_bytes)))
+    console.print(table)
+    failed = sum(not r.ok for r in results)
+    console.print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -151,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--report", default=None, help="directory for verify.{md,json}")
+    check = sub.add_parser("compile-check",
+                           help="compile every kernel variant for a GPU target, no GPU needed")
+    check.add_argument("ops", nargs="*", help="operator names (default: all)")
+    check.add_argument("--target", default="cuda:90", help="cuda:<cc> (default cuda:90)")
+    check.add_argument("--dtype", action="append",
+                       choices=["float32", "float16", "bfloat16"])
     sub.add_parser("doctor", help="versions, devices, backend, hardware profile")
     calibrate = sub.add_parser("calibrate", help="measure copy bandwidth and matmul rate")
     calibrate.add_argument("--device", default=None)
@@ -161,8 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "verify" and argv is None:
         _ensure_interpreter(["torch", "triton"] if args.backend == "all" else [args.backend])
+    if args.command == "compile-check" and os.environ.get("TRITON_INTERPRET", "0") != "0":
+        # Compiling needs real JITFunctions, which Triton only makes without the interpreter.
+        del os.environ["TRITON_INTERPRET"]
+        os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
-               "calibrate": cmd_calibrate}[args.command]
+               "calibrate": cmd_calibrate, "compile-check": cmd_compile_check}[args.command]
     from opforge.core.errors import OpError
 
     try:

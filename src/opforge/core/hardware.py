@@ -41,6 +41,9 @@ class HardwareProfile:
         onchip_bytes: on-chip memory one program (core) may use: UB, shared memory, L2 slice.
         core_count: programs that run at once: SMs, AI vector cores, CPU cores.
         memories: other on-chip memories by name (L1, L0A, ...), for reports.
+        max_tile_elements: elements one program works on at a time. On GPUs a tile lives
+            in registers (default 4 warps: 2048 elements is 16 a thread), so larger tiles
+            cost occupancy; on Ascend and CPUs the on-chip budget alone decides.
         source: where the figures come from: ``datasheet``, ``runtime``, ``estimate`` or
             ``calibrated`` (measured by ``opforge calibrate``).
     """
@@ -52,6 +55,7 @@ class HardwareProfile:
     onchip_bytes: int
     core_count: int
     memories: Mapping[str, int] = field(default_factory=dict)
+    max_tile_elements: int = 1 << 16
     source: str = "datasheet"
 
     def onchip_limit(self, double_buffered: bool) -> int:
@@ -68,6 +72,9 @@ class HardwareProfile:
         return self.peak(dtype) / self.memory_bandwidth
 
 
+GPU_TILE_ELEMENTS = 2048
+
+
 def _gpu_flops(fp32: float, tensor16: float) -> dict[torch.dtype, float]:
     return {torch.float32: fp32, torch.float16: tensor16, torch.bfloat16: tensor16,
             torch.float64: fp32 / 2}
@@ -79,13 +86,16 @@ def _gpu_flops(fp32: float, tensor16: float) -> dict[torch.dtype, float]:
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", "cuda", 3.35 * TB, _gpu_flops(67e12, 989e12),
                             onchip_bytes=228 * KiB, core_count=132,
-                            memories={"L2": 50 * 1024 * KiB}),
+                            memories={"L2": 50 * 1024 * KiB},
+                            max_tile_elements=GPU_TILE_ELEMENTS),
     "h200": HardwareProfile("h200", "cuda", 4.8 * TB, _gpu_flops(67e12, 989e12),
                             onchip_bytes=228 * KiB, core_count=132,
-                            memories={"L2": 50 * 1024 * KiB}),
+                            memories={"L2": 50 * 1024 * KiB},
+                            max_tile_elements=GPU_TILE_ELEMENTS),
     "a100": HardwareProfile("a100", "cuda", 2.039 * TB, _gpu_flops(19.5e12, 312e12),
                             onchip_bytes=164 * KiB, core_count=108,
-                            memories={"L2": 40 * 1024 * KiB}),
+                            memories={"L2": 40 * 1024 * KiB},
+                            max_tile_elements=GPU_TILE_ELEMENTS),
     "ascend910b": HardwareProfile(
         "ascend910b", "npu", 1.6 * TB,
         {torch.float16: 354e12, torch.bfloat16: 354e12, torch.float32: 88e12},
@@ -136,6 +146,7 @@ def _cuda_profile(device: torch.device) -> HardwareProfile:
     # FLOP/s until calibrated.
     return HardwareProfile(props.name, "cuda", 1.0 * TB, _gpu_flops(20e12, 100e12),
                            onchip_bytes=int(smem), core_count=props.multi_processor_count,
+                           max_tile_elements=GPU_TILE_ELEMENTS,
                            source="runtime")
 
 

@@ -73,7 +73,7 @@ def elementwise_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: Ha
     numel = max((s.numel for s in outputs if s is not None), default=1)
     per_element = sum(s.itemsize for s in (*inputs, *outputs) if s is not None)
     per_element += 4 * temporaries
-    cap = max(BLOCK_SIZES[-1], next_power_of_2(numel))
+    cap = max(BLOCK_SIZES[-1], min(next_power_of_2(numel), hardware.max_tile_elements))
     return [Tiling("persistent", {"BLOCK": block}, onchip_bytes=block * per_element)
             for block in BLOCK_SIZES if block <= cap]
 

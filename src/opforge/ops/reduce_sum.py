@@ -87,12 +87,13 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     # Reducing trailing dims of a contiguous input reads along K: wide K tiles coalesce.
     # Reducing leading dims reads along M: wide M tiles coalesce.
     inner = not kept or not reduced or max(kept) < min(reduced)
+    tile = min(TILE_ELEMENTS, hardware.max_tile_elements)
     if inner:
         block_k = min(next_power_of_2(max(cols, 1)), 1024)
-        block_m = min(next_power_of_2(max(rows, 1)), max(1, TILE_ELEMENTS // block_k))
+        block_m = min(next_power_of_2(max(rows, 1)), max(1, tile // block_k))
     else:
         block_m = min(next_power_of_2(max(rows, 1)), 256)
-        block_k = min(next_power_of_2(max(cols, 1)), max(1, TILE_ELEMENTS // block_m))
+        block_k = min(next_power_of_2(max(cols, 1)), max(1, tile // block_m))
     target = hardware.core_count * PROGRAMS_PER_CORE
     candidates = []
     while True:

@@ -1,0 +1,206 @@
+"""Ahead-of-time compile check: build every Triton kernel variant that the operators launch
+for a GPU target, on a machine that does not have that GPU.
+
+The interpreter runs kernels as numpy and so cannot see what only the compiler sees:
+globals that are not constexprs, type mismatches between loop-carried values, layouts a
+target rejects, register pressure. Triton compiles to PTX and cubin with the ptxas it
+bundles, without a device, so this check runs on a development machine.
+
+How it finds the variants: it runs each operator's verification samples through `plan` and
+`Plan.run` on the ``triton`` backend with ``JITFunction.run`` replaced by a recorder, so
+each launch's arguments (pointer dtypes, integer widths, constexpr values, the ``FN`` a
+kernel is specialised with) are captured instead of executed. Each distinct signature is
+then compiled for the target; ``cuobjdump --dump-resource-usage`` reports registers, stack
+(spills) and shared memory per kernel.
+
+Kernels must be real ``JITFunction``s: run without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+
+from opforge.core import backends
+from opforge.core.hardware import HardwareProfile, get_profile, use_hardware
+from opforge.core.opdef import OpDef
+from opforge.core.plan import clear_caches, plan
+
+_POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                  torch.float64: "fp64", torch.uint8: "u8", torch.int8: "i8",
+                  torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
+@dataclass
+class KernelVariant:
+    """One compiled specialisation of a kernel: its argument types and constexpr values."""
+
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    ops: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+    def describe(self) -> str:
+        """Pointer dtypes and constexprs, e.g. ``*bf16,*bf16 NDIM=2 FN=_gelu_erf``."""
+        pointers = ",".join(t for t in self.signature.values() if t.startswith("*"))
+        consts = " ".join(f"{k}={_constexpr_text(v)}" for k, v in self.constexprs.items())
+        return f"{pointers} {consts}".strip()
+
+
+def _constexpr_text(value: Any) -> str:
+    function = getattr(value, "fn", value)  # a JITFunction wraps the Python function
+    return getattr(function, "__name__", str(value))
+
+
+@dataclass
+class CompileResult:
+    """Outcome of compiling one `KernelVariant`."""
+
+    variant: KernelVariant
+    ok: bool
+    seconds: float
+    registers: int | None = None
+    stack_bytes: int | None = None
+    shared_bytes: int | None = None
+    error: str = ""
+
+
+def _arg_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type kernel argument {value!r}")
+
+
+def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
+                    hardware: HardwareProfile) -> list[KernelVariant]:
+    """Run the operators' samples on the triton backend, tiled for ``hardware``, with
+    kernel launches recorded instead of executed; return the distinct variants, in
+    first-launch order.
+
+    Raises:
+        RuntimeError: the kernels are interpreted (``TRITON_INTERPRET`` is set).
+    """
+    from triton.runtime.jit import JITFunction
+
+    if backends.interpreter_enabled():
+        raise RuntimeError("the AOT check needs compiled kernels: unset TRITON_INTERPRET")
+    variants: dict[tuple[Any, ...], KernelVariant] = {}
+    current: list[str] = []
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        bound = dict(zip((p.name for p in self.params), args))
+        bound.update(kwargs)
+        signature, constexprs = {}, {}
+        for param in self.params:
+            value = bound[param.name]
+            if param.is_constexpr:
+                signature[param.name] = "constexpr"
+                constexprs[param.name] = value
+            else:
+                signature[param.name] = _arg_type(value)
+        key = (self, tuple(signature.items()),
+               tuple((k, id(v) if callable(v) else v) for k, v in constexprs.items()))
+        variant = variants.setdefault(key, KernelVariant(self, signature, constexprs))
+        variant.ops.add(current[-1])
+
+    # The launch path checks that CPU tensors may run Triton kernels; recording needs that
+    # check to pass even though nothing is interpreted.
+    with mock.patch.object(JITFunction, "run", record), \
+            mock.patch.object(backends, "interpreter_enabled", lambda: True), \
+            backends.use_backend("triton"), use_hardware(hardware):
+        for op in ops:
+            current.append(op.name)
+            for dtype in dtypes:
+                if dtype not in op.inputs[0].dtypes:
+                    continue
+                generator = torch.Generator().manual_seed(0)
+                for case in op.samples(dtype, torch.device("cpu"), generator):
+                    plan(op, *case.inputs, **case.attrs).run(*case.inputs)
+    clear_caches()  # the plans above chose triton for CPU tensors only for this recording
+    recorded = list(variants.values())
+    return recorded + [_wide_twin(v) for v in recorded if v.constexprs.get("WIDE") is False]
+
+
+def _wide_twin(variant: KernelVariant) -> KernelVariant:
+    """The variant a tensor past 2^31 elements gets: kernels name their int64-offset
+    switch ``WIDE``, and such calls pass 64-bit sizes. The samples never reach it (it
+    would take gigabytes), so it is compiled from the recorded variant."""
+    signature = {k: "i64" if t == "i32" else t for k, t in variant.signature.items()}
+    return KernelVariant(variant.kernel, signature, {**variant.constexprs, "WIDE": True},
+                         set(variant.ops))
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        done = subprocess.run([tool, "--dump-resource-usage", handle.name],
+                              capture_output=True, text=True, check=False)
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)",
+                                                         done.stdout)}
+
+
+def parse_target(text: str) -> tuple[Any, HardwareProfile]:
+    """``cuda:90`` -> (``GPUTarget("cuda", 90, 32)``, the H100 profile whose tilings a
+    compute capability 9.x device gets; A100's for 8.x).
+
+    Raises:
+        ValueError: not ``cuda:<compute capability>``.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    match = re.fullmatch(r"cuda:(\d+)", text)
+    if match is None:
+        raise ValueError(f"unknown target {text!r}; expected cuda:<cc>, e.g. cuda:90")
+    capability = int(match.group(1))
+    return (GPUTarget("cuda", capability, 32),
+            get_profile("h100" if capability >= 90 else "a100"))
+
+
+def compile_variants(variants: Iterable[KernelVariant], target: Any) -> list[CompileResult]:
+    """Compile each variant for ``target``; a failure is recorded, not raised."""
+    import triton
+    from triton.compiler import ASTSource
+
+    results = []
+    for variant in variants:
+        start = time.perf_counter()
+        try:
+            source = ASTSource(fn=variant.kernel, signature=variant.signature,
+                               constexprs=variant.constexprs)
+            compiled = triton.compile(source, target=target)
+        except Exception as error:
+            message = str(error).strip().splitlines()
+            results.append(CompileResult(variant, False, time.perf_counter() - start,
+                                         error=message[-1] if message else repr(error)))
+            continue
+        usage = _resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else {}
+        results.append(CompileResult(variant, True, time.perf_counter() - start,
+                                     usage.get("REG"), usage.get("STACK"),
+                                     usage.get("SHARED", compiled.metadata.shared)))
+    return results
