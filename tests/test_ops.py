@@ -201,3 +201,22 @@ def test_unary_property(scale, size, approximate, dtype, backend):
     assert_golden(opforge.get_op("gelu"), Case("prop", (x,), {"approximate": approximate}),
                   y_gelu)
     assert_golden(opforge.get_op("sigmoid"), Case("prop", (x,)), y_sigmoid)
+
+
+def test_poisoned_outputs_expose_unwritten_elements(monkeypatch):
+    """A launcher that forgets half its output must fail the golden check: outputs start as
+    NaN, so the unwritten half mismatches."""
+    op = opforge.get_op("sigmoid")
+    original = op.launchers["triton"]
+
+    def half_launcher(plan, inputs, outputs, workspace):
+        half = outputs[0].numel() // 2
+        original(plan, [inputs[0].reshape(-1)[:half]], [outputs[0].reshape(-1)[:half]],
+                 workspace)
+
+    monkeypatch.setitem(op.launchers, "triton", half_launcher)
+    x = torch.randn(1000, generator=_generator(9)).to(DEVICE)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan(op, x)
+    with pytest.raises(AssertionError, match="NaN/Inf mismatches"):
+        assert_golden(op, Case("half", (x,)), plan.run(x))

@@ -182,3 +182,16 @@ def test_nn_modules_drop_in_for_torch():
     assert stats.max_rel < 1e-5
     ours.sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_dynamic_shapes_compile_once():
+    """The fake implementation takes symbolic sizes: three shapes, one graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(_model, backend=counter, fullgraph=True, dynamic=True)
+    for rows, cols in [(3, 5), (7, 9), (2, 33)]:
+        a, b = torch.randn(rows, cols), torch.randn(cols)
+        torch.testing.assert_close(compiled(a, b), _model(a, b), rtol=0, atol=0)
+    assert counter.frame_count == 1
