@@ -303,3 +303,19 @@ def test_collapse_dims_merges_what_is_contiguous_in_every_operand():
     # A transposed operand blocks the merge.
     assert collapse_dims((3, 5), [[5, 1], [1, 3]]) == ([3, 5], [[5, 1], [1, 3]])
     assert collapse_dims((1, 1), [[1, 1]]) == ([1], [[0]])
+
+
+def test_auto_falls_back_to_torch_when_no_tiling_fits(monkeypatch, caplog):
+    from opforge.core.hardware import HardwareProfile
+
+    # Treat CPU tensors as accelerator tensors so that auto picks triton first.
+    monkeypatch.setattr(backends, "ACCELERATOR_TYPES", ("cpu",))
+    tiny = HardwareProfile("tiny", "cpu", 1e9, {torch.float32: 1e9}, onchip_bytes=64,
+                           core_count=1)
+    x = torch.randn(300)
+    assert opforge.plan("sigmoid", x).backend == "triton"
+    with opforge.use_hardware(tiny), caplog.at_level(logging.WARNING, logger="opforge"):
+        plan = opforge.plan("sigmoid", x)
+        assert (plan.backend, plan.tiling) == ("torch", None)
+        assert "no tiling fits the tiny on-chip memory" in caplog.text
+        assert_golden(plan.op, Case("fallback", (x,)), plan.run(x))

@@ -115,9 +115,14 @@ def select_backend(opdef: OpDef, inputs: Sequence[TensorSpec | None], attrs: Att
         raise UnsupportedError(f"the triton backend cannot run this call: {reason}",
                                op=opdef.name, param="backend", expected="a supported call",
                                got=", ".join(str(s) for s in inputs if s is not None))
-    with _logged_lock:
-        first = (opdef.name, reason) not in _logged
-        _logged.add((opdef.name, reason))
-    if first:
-        logger.warning("opforge.%s: falling back to the torch backend: %s", opdef.name, reason)
+    warn_fallback(opdef.name, reason)
     return "torch"
+
+
+def warn_fallback(op: str, reason: str) -> None:
+    """Log, once per (operator, reason), that a call falls back to the torch backend."""
+    with _logged_lock:
+        first = (op, reason) not in _logged
+        _logged.add((op, reason))
+    if first:
+        logger.warning("opforge.%s: falling back to the torch backend: %s", op, reason)

@@ -373,8 +373,7 @@ def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
                                    expected="a variant that fits on chip",
                                    got=", ".join(str(s) for s in signature.inputs if s),
                                    code=TILING_ERROR)
-        backends.logger.warning("opforge.%s: falling back to the torch backend: %s",
-                                opdef.name, reason)
+        backends.warn_fallback(opdef.name, reason)
         backend = "torch"
     grid = (opdef.grid(tiling, signature.inputs, signature.outputs, signature.attrs, hardware)
             if tiling is not None else ())
