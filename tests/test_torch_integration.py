@@ -17,6 +17,7 @@ from opforge.ops._elementwise import (
     same_shape,
 )
 from opforge.precision.metrics import compare
+from opforge.precision.verify import EPS_BOUNDS
 
 from .conftest import DEVICE, assert_golden
 
@@ -75,7 +76,7 @@ def test_broadcast_add_backward_against_golden(dtype, backend):
     scale_a, scale_b = wide.abs().sum(1, keepdim=True), 0.5 * wide.abs().sum((0, 2)).reshape(5, 1)
     assert a.grad.dtype == dtype and b.grad.dtype == dtype
     for got, golden, scale in [(a.grad, golden_a, scale_a), (b.grad, golden_b, scale_b)]:
-        assert compare(got, golden, scale).max_eps <= (16 if dtype == torch.float32 else 1)
+        assert compare(got, golden, scale).max_eps <= EPS_BOUNDS[dtype]
 
 
 @pytest.mark.parametrize("name, approximate", [("sigmoid", None), ("gelu", "none"),

@@ -27,10 +27,12 @@ from opforge.precision.metrics import ErrorStats, compare
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Bounds on max_eps. float16/bfloat16 outputs come from a float32 computation rounded once:
 # at most 0.5 eps with round-to-nearest, 1 eps where the Triton interpreter truncates bf16
-# stores. float32 outputs carry the kernel's own few-ulp error (exp, polynomial fits,
-# summation order).
-EPS_BOUNDS = {torch.float32: 16.0, torch.float16: 1.0, torch.bfloat16: 1.0,
-              torch.float64: 16.0}
+# stores. float32 outputs carry the computation's own error (exp, polynomial fits,
+# summation order, and on the torch backend torch's float32 transcendental kernels, whose
+# results vary by a few ulps with the library path taken): the bound is 32, the per-element
+# float32 threshold of the Ascend ULP standard.
+EPS_BOUNDS = {torch.float32: 32.0, torch.float16: 1.0, torch.bfloat16: 1.0,
+              torch.float64: 32.0}
 
 
 @dataclass
