@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 
 import opforge
 from opforge.core.opdef import Case, OpDef
-from opforge.precision.metrics import compare
+from opforge.precision.metrics import compare_tensors
 from opforge.precision.verify import EPS_BOUNDS, golden_of
 
 settings.register_profile("ci", max_examples=12, deadline=None,
@@ -51,10 +51,10 @@ def assert_golden(opdef: OpDef, case: Case, outputs: object) -> float:
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
     worst = 0.0
     for out, golden, scale in zip(outputs, goldens, scales, strict=True):
-        stats = compare(out, golden, scale)
+        stats = compare_tensors(out, golden, scale=scale)
         bound = EPS_BOUNDS[out.dtype]
-        assert stats.special_mismatches == 0, (
-            f"{opdef.name}/{case.name}: {stats.special_mismatches} NaN/Inf mismatches")
+        assert stats.nan_inf_mismatch == 0, (
+            f"{opdef.name}/{case.name}: {stats.nan_inf_mismatch} NaN/Inf mismatches")
         assert stats.max_eps <= bound, (
             f"{opdef.name}/{case.name} {out.dtype}: max_eps {stats.max_eps:.3g} > {bound} "
             f"at {stats.worst_index} (max abs {stats.max_abs:.3g})")

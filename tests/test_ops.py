@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import opforge
 from opforge.core.opdef import Case
-from opforge.precision.metrics import compare
+from opforge.precision.metrics import compare_tensors
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
@@ -92,7 +92,7 @@ def test_gelu_reference_equals_torch_where_torch_is_accurate():
     for approximate in ("none", "tanh"):
         ours = op.reference_fn(x, compute_dtype=torch.float64, approximate=approximate)
         theirs = torch.nn.functional.gelu(x, approximate=approximate)
-        stats = compare(ours, theirs, dtype=torch.float64)
+        stats = compare_tensors(ours, theirs, dtype=torch.float64)
         assert stats.max_rel < 1e-13, (approximate, stats)
 
 

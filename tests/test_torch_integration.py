@@ -16,7 +16,7 @@ from opforge.ops._elementwise import (
     same_dtype,
     same_shape,
 )
-from opforge.precision.metrics import compare
+from opforge.precision.metrics import compare_tensors
 from opforge.precision.verify import EPS_BOUNDS
 
 from .conftest import DEVICE, assert_golden
@@ -76,7 +76,7 @@ def test_broadcast_add_backward_against_golden(dtype, backend):
     scale_a, scale_b = wide.abs().sum(1, keepdim=True), 0.5 * wide.abs().sum((0, 2)).reshape(5, 1)
     assert a.grad.dtype == dtype and b.grad.dtype == dtype
     for got, golden, scale in [(a.grad, golden_a, scale_a), (b.grad, golden_b, scale_b)]:
-        assert compare(got, golden, scale).max_eps <= EPS_BOUNDS[dtype]
+        assert compare_tensors(got, golden, scale=scale).max_eps <= EPS_BOUNDS[dtype]
 
 
 @pytest.mark.parametrize("name, approximate", [("sigmoid", None), ("gelu", "none"),
@@ -179,7 +179,7 @@ def test_nn_modules_drop_in_for_torch():
     reference = torch.nn.Sequential(model[0], torch.nn.GELU("tanh"), torch.nn.Sigmoid())
     assert "approximate='tanh'" in repr(model)
     ours, theirs = model(x), reference(x)
-    stats = compare(ours, theirs.double())
+    stats = compare_tensors(ours, theirs.double())
     assert stats.max_rel < 1e-5
     ours.sum().backward()
     assert model[0].weight.grad is not None

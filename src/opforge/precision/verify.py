@@ -22,7 +22,7 @@ from opforge.core import backends
 from opforge.core.errors import OpError
 from opforge.core.opdef import Case, OpDef, dtype_name
 from opforge.core.plan import plan, set_poison
-from opforge.precision.metrics import ErrorStats, compare
+from opforge.precision.metrics import Metrics, compare_tensors
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Bounds on max_eps. float16/bfloat16 outputs come from a float32 computation rounded once:
@@ -48,7 +48,7 @@ class CaseResult:
     max_rel: float = 0.0
     max_eps: float = 0.0
     bound: float = 0.0
-    special_mismatches: int = 0
+    nan_inf_mismatch: int = 0
     detail: str = ""
 
 
@@ -78,21 +78,21 @@ def _judge(opdef: OpDef, case: Case, backend: str, dtype: torch.dtype) -> CaseRe
     with backends.use_backend(backend):
         outputs = plan(opdef, *case.inputs, **case.attrs).run(*case.inputs)
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
-    worst: ErrorStats | None = None
+    worst: Metrics | None = None
     for out, golden, scale in zip(outputs, goldens, scales):
-        stats = compare(out, golden, scale)
+        stats = compare_tensors(out, golden, scale=scale)
         result.bound = EPS_BOUNDS[out.dtype]
-        if worst is None or stats.max_eps > worst.max_eps or stats.special_mismatches:
+        if worst is None or stats.max_eps > worst.max_eps or stats.nan_inf_mismatch:
             worst = stats
         result.max_abs = max(result.max_abs, stats.max_abs)
         result.max_rel = max(result.max_rel, stats.max_rel)
         result.max_eps = max(result.max_eps, stats.max_eps)
-        result.special_mismatches += stats.special_mismatches
-    if result.special_mismatches or result.max_eps > result.bound:
+        result.nan_inf_mismatch += stats.nan_inf_mismatch
+    if result.nan_inf_mismatch or result.max_eps > result.bound:
         result.status = "fail"
         if worst is not None:
             result.detail = (f"worst element {worst.worst_index}; "
-                             f"{result.special_mismatches} NaN/Inf mismatches")
+                             f"{result.nan_inf_mismatch} NaN/Inf mismatches")
     return result
 
 
