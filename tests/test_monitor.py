@@ -1,0 +1,163 @@
+"""The training anomaly monitor: planted NaN and fp16 overflow found at the right module and
+step, nothing in a healthy run, hooks harmless and removed."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from opforge.precision.monitor import Monitor
+
+
+class Poison(torch.nn.Module):
+    """Identity that plants a value at one step."""
+
+    def __init__(self, value: float, at_step: int) -> None:
+        super().__init__()
+        self.value, self.at_step, self.calls = value, at_step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at_step:
+            x = x.clone()
+            x.view(-1)[0] = self.value
+        return x
+
+
+def _model(dtype: torch.dtype = torch.float32, poison: torch.nn.Module | None = None):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.GELU(), poison or torch.nn.Identity(),
+              torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def _train(model: torch.nn.Module, mon: Monitor, steps: int, dtype=torch.float32) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=generator).to(dtype)
+        model(x).float().sum().backward()
+        mon.step()
+        model.zero_grad()
+
+
+def test_healthy_run_raises_nothing(tmp_path):
+    model = _model()
+    with Monitor(model, log_path=tmp_path / "alerts.jsonl") as mon:
+        _train(model, mon, 6)
+    assert mon.alerts == [] and mon.steps == 6
+    assert "no anomalies" in mon.summary()
+    assert not (tmp_path / "alerts.jsonl").exists()
+
+
+def test_planted_nan_is_found_at_its_origin(tmp_path):
+    model = _model(poison=Poison(float("nan"), at_step=3))
+    seen = []
+    with Monitor(model, callbacks=[seen.append], log_path=tmp_path / "a.jsonl") as mon:
+        _train(model, mon, 5)
+    nans = [a for a in mon.alerts if a.kind == "nan"]
+    assert nans, mon.summary()
+    first = nans[0]
+    # The NaN appears in the output of module "2" (the poison) at step 3, not downstream.
+    assert (first.module, first.phase, first.io, first.step) == ("2", "forward", "output", 3)
+    assert all(a.step == 3 for a in nans) and seen == mon.alerts
+    logged = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert logged[0]["module"] == "2" and logged[0]["rank"] is None
+    assert "| nan | 3 |" in mon.summary()
+
+
+def test_planted_fp16_overflow():
+    class Amplify(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x * (1e6 if self.calls == 3 else 1.0)   # fp16 max is 65504
+
+    model = _model(torch.float16, poison=Amplify())
+    with Monitor(model) as mon:
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).half()
+            model(x)
+            mon.step()
+    overflow = [a for a in mon.alerts if a.kind == "overflow"]
+    assert overflow and (overflow[0].module, overflow[0].step) == ("2", 2), mon.summary()
+
+
+def test_backward_nan_origin():
+    class BadGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return BadGrad.apply(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Layer(), torch.nn.Linear(4, 1))
+    with Monitor(model) as mon:
+        model(torch.randn(2, 4)).sum().backward()
+        mon.step()
+    backward = [a for a in mon.alerts if a.phase == "backward"]
+    assert backward and backward[0].kind == "nan"
+    # Layer's backward makes the first NaN gradient: the gradient of its input.
+    assert (backward[0].module, backward[0].io) == ("1", "input"), mon.summary()
+
+
+def test_spike_rule():
+    model = _model(poison=Poison(1e4, at_step=5))
+    with Monitor(model, spike_threshold=4.0, warmup=2) as mon:
+        _train(model, mon, 6)
+    spikes = [a for a in mon.alerts if a.kind == "spike"]
+    assert spikes and (spikes[0].step, spikes[0].module) == (5, "2"), mon.summary()
+
+
+def test_gradient_norm_and_loss_scale_rules():
+    model = _model()
+    generator = torch.Generator().manual_seed(2)
+    with Monitor(model, spike_threshold=4.0, warmup=2, min_loss_scale=1.0) as mon:
+        for step in range(6):
+            loss = model(torch.randn(4, 8, generator=generator)).sum()
+            (loss * (1e3 if step == 4 else 1.0)).backward()   # an exploding gradient
+            mon.step(loss_scale=0.5 if step == 5 else 2.0**16)
+            model.zero_grad()
+    by_kind = {a.kind: a for a in mon.alerts}
+    assert by_kind["grad_norm"].step == 4 and by_kind["loss_scale"].step == 5, mon.summary()
+    assert {a.kind for a in mon.alerts} <= {"grad_norm", "loss_scale", "spike"}
+    limited = Monitor(model, grad_norm_limit=1e-9)
+    with limited:
+        model(torch.randn(4, 8)).sum().backward()
+        limited.step()
+    assert [a.kind for a in limited.alerts] == ["grad_norm"]
+
+
+def test_monitor_changes_nothing_and_removes_its_hooks():
+    model = _model()
+    x = torch.randn(3, 8, requires_grad=True)
+    expected = model(x)
+    expected.sum().backward()
+    expected_grad = x.grad.clone()
+    x.grad = None
+    with Monitor(model) as mon:
+        out = model(x)
+        out.sum().backward()
+        mon.step()
+    assert torch.equal(out, expected) and torch.equal(x.grad, expected_grad)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_failing_callback_does_not_stop_training():
+    def broken(alert):
+        raise RuntimeError("callback bug")
+
+    model = _model(poison=Poison(float("inf"), at_step=0))
+    with Monitor(model, callbacks=[broken]) as mon:
+        _train(model, mon, 1)
+    assert mon.alerts[0].kind == "inf"
