@@ -9,11 +9,12 @@
 
 Forward hooks record statistics of every module's input and output tensors; tensor hooks on
 the inputs record the gradients each module's backward produces (module full-backward hooks
-would break in-place operations downstream). Statistics (min, max, mean, L2 norm, NaN and
-Inf counts, shares of values near the float16/bfloat16 overflow and underflow limits) stay
-on the device until `Monitor.step`, which moves all of the step's records to the host in
-one transfer. Records keep their execution order, so the first record of a step that holds
-a NaN is where the NaN appeared — the origin — and that is the module an alert names.
+would break in-place operations downstream). Statistics (min, max, mean, L2 norm; with
+``detailed=True`` also NaN and Inf counts and the shares of values near the float16/bfloat16
+overflow and underflow limits) stay on the device until `Monitor.step`, which moves all of
+the step's records to the host in one transfer. Records keep their execution order, so the
+first record of a step that holds a NaN is where the NaN appeared — the origin — and that is
+the module an alert names.
 
 Alert kinds: ``nan``, ``inf`` (float32/64 tensors), ``overflow`` (Inf in a float16/bfloat16
 tensor, or values within a factor 2 of its largest finite value), ``spike`` (a tensor's norm
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,8 +40,12 @@ import torch
 
 logger = logging.getLogger("opforge")
 
-# Columns of one statistics record.
+# Columns of one statistics record. The first four come from reductions that propagate
+# NaN and Inf (amin, amax, sum, dot), which is all a step needs to see that something went
+# wrong; the counts and shares take several passes over each tensor and are computed only
+# with ``detailed=True``.
 STATS = ("min", "max", "mean", "norm", "nan", "inf", "near_overflow", "near_underflow")
+FAST_STATS = 4
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -76,34 +82,36 @@ def _rank() -> int | None:
     return None
 
 
-def tensor_stats(tensor: torch.Tensor) -> torch.Tensor:
-    """The `STATS` of ``tensor`` as a float32 vector on its device (no synchronisation).
+def _limits(dtype: torch.dtype) -> torch.finfo:
+    return torch.finfo(dtype if dtype in _LOW_PRECISION else torch.float16)
 
-    min/max/mean/norm are over the finite values; the near-overflow share counts finite
-    values above half the largest finite value of the low-precision dtype (the tensor's
-    own, float16 otherwise), the near-underflow share nonzero values below its smallest
-    normal value.
+
+def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
+    """The `STATS` of ``tensor`` as a float32 vector on its device (no synchronisation):
+    the first four, or all eight with ``detailed``.
+
+    min/max/mean/norm are over all values, so a NaN or Inf shows in them. With
+    ``detailed``, also the NaN and Inf counts, the share of finite values above half the
+    largest finite value of the low-precision dtype (the tensor's own, float16 otherwise)
+    and the share of nonzero values below its smallest normal.
     """
     values = tensor.detach()
-    values = values.float() if values.is_floating_point() else values.to(torch.float32)
-    limits = torch.finfo(tensor.dtype if tensor.dtype in _LOW_PRECISION else torch.float16)
-    finite = values.isfinite()
-    count = max(values.numel(), 1)
-    clean = torch.where(finite, values, torch.zeros((), device=values.device))
-    magnitude = clean.abs()
-    big = torch.finfo(torch.float32).max
-    lowest = torch.where(finite, values, torch.full((), big, device=values.device)).min() \
-        if values.numel() else torch.zeros((), device=values.device)
-    highest = torch.where(finite, values, torch.full((), -big, device=values.device)).max() \
-        if values.numel() else torch.zeros((), device=values.device)
+    if values.dtype != torch.float32:
+        values = values.float()
+    flat = values.reshape(-1)
+    count = flat.numel()
+    lowest, highest = flat.amin(), flat.amax()
+    # A dot product is the cheapest sum of squares (one BLAS pass).
+    fast = [lowest, highest, flat.sum() / count, torch.dot(flat, flat).sqrt()]
+    if not detailed:
+        return torch.stack(fast)
+    limits = _limits(tensor.dtype)
+    magnitude = flat.abs()
     return torch.stack([
-        lowest,
-        highest,
-        clean.sum() / count,
-        clean.norm(),
-        values.isnan().sum().float(),
-        values.isinf().sum().float(),
-        (magnitude > limits.max / 2).sum().float() / count,
+        *fast,
+        flat.isnan().sum().float(),
+        flat.isinf().sum().float(),
+        ((magnitude > limits.max / 2) & magnitude.isfinite()).sum().float() / count,
         ((magnitude > 0) & (magnitude < limits.tiny)).sum().float() / count,
     ])
 
@@ -132,13 +140,16 @@ class Monitor:
         min_loss_scale: a loss scale passed to `step` below this is a collapse.
         callbacks: called with each `Alert` (their exceptions are logged, not raised).
         log_path: JSONL file that receives each alert.
+        detailed: also count NaN/Inf values and measure the near-overflow/underflow
+            shares of every tensor (several extra passes per tensor; without it a NaN,
+            Inf or overflow is still detected, from min/max/mean).
     """
 
     def __init__(self, model: torch.nn.Module, *, modules: Sequence[str] | None = None,
                  spike_threshold: float = 9.0, warmup: int = 3, momentum: float = 0.9,
                  grad_norm_limit: float | None = None, min_loss_scale: float = 1.0,
                  callbacks: Iterable[Callable[[Alert], None]] = (),
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, detailed: bool = False) -> None:
         self.model = model
         self.modules = tuple(modules) if modules else None
         self.spike_threshold = spike_threshold
@@ -148,10 +159,15 @@ class Monitor:
         self.min_loss_scale = min_loss_scale
         self.callbacks = list(callbacks)
         self.log_path = Path(log_path) if log_path else None
+        self.detailed = detailed
         self.alerts: list[Alert] = []
         self.steps = 0
         self.rank = _rank()
         self._records: list[_Record] = []
+        # The tensors recorded this step (weakly, with their version and statistics): a
+        # module's input is usually the previous module's output, and one reduction per
+        # tensor is enough; the second record shares the first one's statistics.
+        self._recorded: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._handles: list[Any] = []
         self._means: dict[tuple[str, str, str], float] = {}
         self._seen: dict[tuple[str, str, str], int] = {}
@@ -190,8 +206,15 @@ class Monitor:
             logger.exception("opforge monitor: recording failed; monitoring stops")
 
     def _record(self, module: str, phase: str, io: str, tensor: torch.Tensor) -> None:
-        if tensor.is_floating_point() and tensor.numel():
-            self._records.append(_Record(module, phase, io, tensor.dtype, tensor_stats(tensor)))
+        if not tensor.is_floating_point() or not tensor.numel():
+            return
+        seen = self._recorded.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+            stats = seen[2]
+        else:
+            stats = tensor_stats(tensor, self.detailed)
+            self._recorded[id(tensor)] = (weakref.ref(tensor), tensor._version, stats)
+        self._records.append(_Record(module, phase, io, tensor.dtype, stats))
 
     def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
@@ -229,12 +252,17 @@ class Monitor:
         return self.alerts[before:]
 
     def _grad_norm(self) -> torch.Tensor | None:
-        grads = [p.grad.detach().float().norm() for p in self.model.parameters()
-                 if p.grad is not None]
-        return torch.stack(grads).norm() if grads else None
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+        if total_norm is not None:
+            return total_norm(grads)
+        return torch.stack([g.float().norm() for g in grads]).norm()
 
     def _analyze(self, loss_scale: float | None = None) -> None:
         records, self._records = self._records, []
+        self._recorded.clear()
         grad_norm = self._grad_norm()
         rows: list[list[float]] = []
         norm_value: float | None = None
@@ -245,7 +273,7 @@ class Monitor:
                                                      grad_norm.device))
             # The step's only host synchronisation: every record and the gradient norm.
             flat = torch.cat(parts).cpu().tolist()
-            width = len(STATS)
+            width = len(STATS) if self.detailed else FAST_STATS
             rows = [flat[i * width:(i + 1) * width] for i in range(len(records))]
             norm_value = flat[-1] if grad_norm is not None else None
         self._anomalies(records, rows)
@@ -262,12 +290,16 @@ class Monitor:
         spike: tuple[_Record, float, float] | None = None
         for record, row in zip(records, rows):
             low = record.dtype in _LOW_PRECISION
-            if row[stat["nan"]]:
-                first.setdefault("nan", (record, row[stat["nan"]]))
-            if row[stat["inf"]]:
-                first.setdefault("overflow" if low else "inf", (record, row[stat["inf"]]))
-            elif low and row[stat["near_overflow"]]:
-                first.setdefault("overflow", (record, row[stat["near_overflow"]]))
+            lowest, highest = row[stat["min"]], row[stat["max"]]
+            detailed = self.detailed
+            # amin/amax propagate NaN; the sum is NaN for +inf and -inf together as well.
+            if math.isnan(lowest) or math.isnan(highest):
+                first.setdefault("nan", (record, row[stat["nan"]] if detailed else 1.0))
+            elif math.isinf(lowest) or math.isinf(highest):
+                first.setdefault("overflow" if low else "inf",
+                                 (record, row[stat["inf"]] if detailed else 1.0))
+            elif low and max(abs(lowest), abs(highest)) > _limits(record.dtype).max / 2:
+                first.setdefault("overflow", (record, max(abs(lowest), abs(highest))))
             key = (record.module, record.phase, record.io)
             norm = row[stat["norm"]]
             mean = self._means.get(key)
