@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from opforge.precision.monitor import Monitor
@@ -161,3 +162,28 @@ def test_failing_callback_does_not_stop_training():
     with Monitor(model, callbacks=[broken]) as mon:
         _train(model, mon, 1)
     assert mon.alerts[0].kind == "inf"
+
+
+def test_tensor_stats_match_hand_computed_values():
+    from opforge.precision.monitor import STATS, tensor_stats
+
+    x = torch.tensor([[1.0, -2.0], [3.0, 70000.0]])
+    fast = dict(zip(STATS, tensor_stats(x).tolist()))
+    assert (fast["min"], fast["max"]) == (-2.0, 70000.0)
+    assert fast["mean"] == pytest.approx((1 - 2 + 3 + 70000) / 4)
+    assert fast["norm"] == pytest.approx(float(x.norm()))
+    x[0, 0] = float("nan")
+    x[0, 1] = float("inf")
+    full = dict(zip(STATS, tensor_stats(x, detailed=True).tolist()))
+    assert (full["nan"], full["inf"]) == (1.0, 1.0)
+    assert full["near_overflow"] == 0.25      # 70000 > 65504 / 2, finite
+    tiny = tensor_stats(torch.tensor([1e-6, 0.0, 1.0, 2.0]), detailed=True)
+    assert dict(zip(STATS, tiny.tolist()))["near_underflow"] == 0.25   # below fp16 tiny
+
+
+def test_detailed_mode_reports_counts():
+    model = _model(poison=Poison(float("nan"), at_step=1))
+    with Monitor(model, detailed=True) as mon:
+        _train(model, mon, 2)
+    first = next(a for a in mon.alerts if a.kind == "nan")
+    assert (first.module, first.step, first.value) == ("2", 1, 1.0)
