@@ -187,3 +187,29 @@ def test_detailed_mode_reports_counts():
         _train(model, mon, 2)
     first = next(a for a in mon.alerts if a.kind == "nan")
     assert (first.module, first.step, first.value) == ("2", 1, 1.0)
+
+
+def test_internal_failure_never_reaches_the_training_loop(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("statistics bug")
+
+    monkeypatch.setattr("opforge.precision.monitor.tensor_stats", broken)
+    model = _model()
+    with caplog.at_level("ERROR", logger="opforge"), Monitor(model) as mon:
+        _train(model, mon, 3)
+    assert mon.steps == 3 and mon.alerts == []
+    assert sum("recording failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_alerts_carry_the_distributed_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        model = _model(poison=Poison(float("nan"), at_step=0))
+        with Monitor(model) as mon:
+            _train(model, mon, 1)
+        assert mon.alerts and all(a.rank == 0 for a in mon.alerts)
+    finally:
+        dist.destroy_process_group()
