@@ -1,9 +1,10 @@
-"""Step-time overhead of `opforge.precision.Monitor` on a small transformer training step.
+"""Step-time overhead of `opforge.precision.Monitor` and of a statistics-mode
+`opforge.precision.dump` on a small transformer training step.
 
 A 6-layer, width-256 encoder (4 heads, feed-forward 1024, vocabulary 1000) trained with
-AdamW on batch 16 x 128 tokens; each repeat times one step without the monitor and one with
-it, interleaved, so that both see the same machine state. Writes CSV + Markdown under
-``--out``.
+AdamW on batch 16 x 128 tokens; each repeat times one step without either, one with the
+monitor and one inside a statistics dump, interleaved, so that all see the same machine
+state. Writes CSV + Markdown under ``--out``.
 
 Usage::
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from opforge.precision import Monitor
+from opforge.precision.dump import dump
 from reporting import environment, write_results
 
 VOCAB, WIDTH, LAYERS, HEADS, FFN, BATCH, TOKENS = 1000, 256, 6, 4, 1024, 16, 128
@@ -66,14 +69,20 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, VOCAB, (BATCH, TOKENS + 1))
     monitor = Monitor(model)
-    times: dict[str, list[float]] = {"without monitor": [], "with monitor": []}
-    for repeat in range(args.steps + 1):  # the first repeat warms up both modes
-        for mode in times:
-            context = monitor if mode == "with monitor" else contextlib.nullcontext()
+    scratch = Path(tempfile.mkdtemp(prefix="opforge-dump-"))
+    modes = ("without monitor", "with monitor", "statistics dump")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for repeat in range(args.steps + 1):  # the first repeat warms every mode up
+        for mode in modes:
+            context = {"with monitor": monitor,
+                       "statistics dump": dump(model, scratch / f"{repeat}", "statistics"),
+                       }.get(mode, contextlib.nullcontext())
             with context:
                 start = time.perf_counter()
                 train_step(model, optimizer, tokens,
                            monitor if mode == "with monitor" else None)
+                if mode == "statistics dump":
+                    context.step()  # writes the step's manifest
                 elapsed = time.perf_counter() - start
             if repeat:
                 times[mode].append(elapsed)
@@ -88,7 +97,7 @@ def main() -> None:
     config = (f"{LAYERS} layers, width {WIDTH}, {HEADS} heads, ffn {FFN}, batch {BATCH} x "
               f"{TOKENS} tokens, AdamW, {args.steps} steps per mode, torch threads "
               f"{torch.get_num_threads()}")
-    lines = ["# Monitor overhead on a transformer training step", "",
+    lines = ["# Monitor and statistics-dump overhead on a transformer training step", "",
              f"{env['date']} — {env['machine']}, {env['cpu_count']} CPUs, torch "
              f"{env['torch']}. {config}. Alerts raised: {len(monitor.alerts)}.", "",
              "| mode | step ms (median) | step ms (min) | overhead |", "|---|---|---|---|"]

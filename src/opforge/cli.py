@@ -1,5 +1,5 @@
-"""The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``doctor``,
-``calibrate``."""
+"""The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``compare``,
+``doctor``, ``calibrate``."""
 
 from __future__ import annotations
 
@@ -153,6 +153,64 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from opforge.precision.dump import (
+        DumpError,
+        compare_steps,
+        first_divergence,
+        growth_point,
+        plot_errors,
+        read_step,
+        step_folders,
+    )
+
+    run_a, run_b = Path(args.run_a), Path(args.run_b)
+    try:
+        folders_a, folders_b = step_folders(run_a), step_folders(run_b)
+        names_a = [f.relative_to(run_a) for f in folders_a]
+        names_b = [f.relative_to(run_b) for f in folders_b]
+        if names_a != names_b:
+            raise DumpError(f"the runs hold different steps: {[str(n) for n in names_a]} vs "
+                            f"{[str(n) for n in names_b]}")
+        compared = [(name, compare_steps(read_step(run_a / name), read_step(run_b / name)))
+                    for name in names_a]
+    except DumpError as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
+    diverged = [(name, results) for name, results in compared
+                if first_divergence(results) is not None]
+    name, results = diverged[0] if diverged else compared[0]
+    first, growth = first_divergence(results), growth_point(results)
+    table = Table(title=f"opforge compare {run_a} (reference) vs {run_b}: {name}")
+    for column in ("#", "entry", "dtype", "cosine", "max abs", "max rel", "<1‰", "<5‰", ""):
+        table.add_column(column)
+    window = range(len(results)) if first is None else range(max(0, first - 10),
+                                                             min(len(results), first + 10))
+    for index in window:
+        r = results[index]
+        mark = ("[red]first divergence[/]" if index == first else
+                "[yellow]error starts to grow[/]" if index == growth else "")
+        table.add_row(str(index), r.key, r.dtype, f"{r.cosine:.6f}", f"{r.max_abs:.3g}",
+                      f"{r.max_rel:.3g}", f"{r.thousandth_ratio:.4f}",
+                      f"{r.five_thousandths_ratio:.4f}", mark)
+    console.print(table)
+    if args.plot:
+        plot = Path(args.plot)
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_errors(results, plot)
+        console.print(f"plot: {plot}")
+    if first is None:
+        console.print(f"no divergence in {len(compared)} step(s): the runs agree within the "
+                      "standard of their lower-precision dtype")
+        return 0
+    console.print(f"[red]diverged[/] at {name}: first divergent module "
+                  f"{results[first].module or '<model>'} ({results[first].key}); error starts "
+                  f"to grow at {results[growth].key if growth is not None else '-'}")
+    return 1
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -186,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--target", default="cuda:90", help="cuda:<cc> (default cuda:90)")
     check.add_argument("--dtype", action="append",
                        choices=["float32", "float16", "bfloat16"])
+    compare = sub.add_parser("compare", help="find where two dumped runs diverge")
+    compare.add_argument("run_a", help="reference run folder (written by precision.dump)")
+    compare.add_argument("run_b", help="run to check")
+    compare.add_argument("--plot", default="reports/compare.png",
+                         help="PNG of error against depth ('' for none)")
     sub.add_parser("doctor", help="versions, devices, backend, hardware profile")
     calibrate = sub.add_parser("calibrate", help="measure copy bandwidth and matmul rate")
     calibrate.add_argument("--device", default=None)
@@ -201,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         del os.environ["TRITON_INTERPRET"]
         os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
-               "calibrate": cmd_calibrate, "compile-check": cmd_compile_check}[args.command]
+               "calibrate": cmd_calibrate, "compile-check": cmd_compile_check,
+               "compare": cmd_compare}[args.command]
     from opforge.core.errors import OpError
 
     try:

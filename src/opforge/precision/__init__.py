@@ -1,9 +1,10 @@
 """Precision tooling: metrics against a float64 golden, vendor standards, verification,
-and the training anomaly monitor."""
+the training anomaly monitor, and dump-and-compare."""
 
+from opforge.precision.dump import Dump, DumpError, dump
 from opforge.precision.metrics import Metrics, WorstElement, compare_tensors
 from opforge.precision.monitor import Alert, Monitor
 from opforge.precision.standards import CATEGORIES, THRESHOLDS, Verdict, judge
 
-__all__ = ["CATEGORIES", "THRESHOLDS", "Alert", "Metrics", "Monitor", "Verdict", "WorstElement",
-           "compare_tensors", "judge"]
+__all__ = ["CATEGORIES", "THRESHOLDS", "Alert", "Dump", "DumpError", "Metrics", "Monitor",
+           "Verdict", "WorstElement", "compare_tensors", "dump", "judge"]

@@ -57,6 +57,15 @@ THRESHOLDS: dict[str, dict[object, dict[str, float]]] = {
         torch.bfloat16: {"error_t": 1e-2, "warning_t": 1e-3},
         "first_pass": {"min_cosine": 0.99, "max_abs_pass": 1e-3},
     },
+    # Comparing two runs entry by entry: an entry diverges when the cosine similarity falls
+    # below min_cosine or the L2 norms differ by more than norm_rtol (relative), for the
+    # lower-precision dtype of the two runs (a bf16 run drifts from an fp32 one by design).
+    "run_compare": {
+        torch.float32: {"min_cosine": 0.9999, "norm_rtol": 1e-3},
+        torch.float64: {"min_cosine": 0.999999, "norm_rtol": 1e-6},
+        torch.float16: {"min_cosine": 0.999, "norm_rtol": 1e-2},
+        torch.bfloat16: {"min_cosine": 0.99, "norm_rtol": 5e-2},
+    },
     # Benchmark ratio: ratio limits per level, and the floor of the peer's error.
     "benchmark_ratio": {
         "L0": {"max_rel": 10.0, "mean_rel": 2.0, "rmse": 2.0, "small_value": 2.0, "eb": 2.0},

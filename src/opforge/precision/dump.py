@@ -1,0 +1,377 @@
+"""Dump a model's activations and gradients, and compare two dumps to find where two runs
+diverge.
+
+    with opforge.precision.dump(model, "runs/fp32", mode="tensor") as d:
+        for batch in data:
+            model(batch).sum().backward()
+            d.step()
+
+    $ opforge compare runs/fp32 runs/bf16
+
+Layout: ``<path>/rank<R>/step<N>/`` holds ``manifest.json`` (entries in call order: module
+path, call number, phase, io, index, shape, dtype, and min/max/mean/norm with NaN/Inf
+flags, read back in one transfer per step) and, in ``tensor`` mode,
+``tensors.safetensors``. No pickle anywhere. Files are written to a temporary name and
+renamed; the manifest, written last, records the tensor file's size and SHA-256, so a
+crash or a truncated copy never reads as a valid step.
+
+An entry is one tensor: a module's forward input or output, or the gradient its backward
+produces for an input (recorded by tensor hooks, as in `Monitor`). Its key,
+``<module>#<call>.<phase>.<io>.<index>``, matches entries of two runs of the same model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opforge.precision.metrics import Metrics, compare_tensors
+from opforge.precision.monitor import FAST_STATS, _rank, _tensors, tensor_stats
+from opforge.precision.standards import THRESHOLDS
+
+MODES = ("statistics", "tensor")
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+FORMAT = "opforge-dump/1"
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class DumpError(RuntimeError):
+    """A dump is missing, truncated or does not line up with the one it is compared to."""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _step_statistics(row: Sequence[float]) -> dict[str, float]:
+    """Manifest statistics from `monitor.tensor_stats`'s min/max/mean/norm, which propagate
+    NaN and Inf: ``nan``/``inf`` say whether the tensor held any."""
+    lowest, highest, mean, norm = row[:FAST_STATS]
+    has_nan = math.isnan(lowest) or math.isnan(highest)
+    has_inf = not has_nan and (math.isinf(lowest) or math.isinf(highest))
+    return {"min": lowest, "max": highest, "mean": mean, "norm": norm,
+            "nan": int(has_nan), "inf": int(has_inf)}
+
+
+class Dump:
+    """Context manager that records a model's tensors step by step (see the module
+    docstring). Use `dump` to create one.
+
+    Args:
+        model: the module whose submodules are hooked (the root included).
+        path: the run's folder; ``rank<R>`` below it (rank 0 outside torch.distributed).
+        mode: ``statistics`` (manifest only) or ``tensor`` (also every tensor).
+        steps: step numbers to write (``None``: every step).
+        modules: only modules whose dotted path contains one of these strings.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+
+    def __init__(self, model: torch.nn.Module, path: str | Path, mode: str = "statistics",
+                 steps: Sequence[int] | None = None,
+                 modules: Sequence[str] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown dump mode {mode!r}; expected one of {', '.join(MODES)}")
+        self.model = model
+        self.mode = mode
+        self.steps = set(steps) if steps is not None else None
+        self.modules = tuple(modules) if modules else None
+        rank = _rank()
+        self.folder = Path(path) / f"rank{rank or 0}"
+        self.step_index = 0
+        self._entries: list[dict[str, Any]] = []
+        self._stats: list[torch.Tensor] = []
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._calls: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._active = False
+
+    def __enter__(self) -> Dump:
+        for name, module in self.model.named_modules():
+            if self.modules is None or any(part in name for part in self.modules):
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._active = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._entries:
+            self._write()
+
+    def _wanted(self) -> bool:
+        return self._active and (self.steps is None or self.step_index in self.steps)
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not self._wanted():
+                return
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            for io, values in (("input", inputs), ("output", output)):
+                for index, tensor in enumerate(_tensors(values)):
+                    self._add(name, call, "forward", io, index, tensor)
+                    if io == "input" and tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(name, call, index))
+        return hook
+
+    def _grad_hook(self, name: str, call: int, index: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._wanted():
+                self._add(name, call, "backward", "input", index, grad)
+        return hook
+
+    def _add(self, module: str, call: int, phase: str, io: str, index: int,
+             tensor: torch.Tensor) -> None:
+        if not tensor.is_floating_point():
+            return
+        key = f"{module}#{call}.{phase}.{io}.{index}"
+        self._entries.append({"key": key, "module": module, "call": call, "phase": phase,
+                              "io": io, "index": index, "shape": list(tensor.shape),
+                              "dtype": str(tensor.dtype).removeprefix("torch.")})
+        self._stats.append(tensor_stats(tensor))
+        if self.mode == "tensor":
+            self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
+
+    def step(self) -> None:
+        """Write the current step (if wanted) and start the next one."""
+        if self._entries:
+            self._write()
+        self.step_index += 1
+        self._calls.clear()
+
+    def _write(self) -> None:
+        from safetensors.torch import save
+
+        folder = self.folder / f"step{self.step_index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        # One transfer for the whole step's statistics.
+        rows = torch.stack([s.to(self._stats[0].device) for s in self._stats]).cpu().tolist()
+        for entry, row in zip(self._entries, rows):
+            entry["stats"] = _step_statistics(row)
+        manifest: dict[str, Any] = {"format": FORMAT, "mode": self.mode,
+                                    "step": self.step_index, "rank": _rank(),
+                                    "entries": self._entries}
+        if self.mode == "tensor":
+            data = save(self._tensors)
+            _write_atomic(folder / TENSORS, data)
+            manifest["tensors"] = {"file": TENSORS, "bytes": len(data),
+                                   "sha256": hashlib.sha256(data).hexdigest()}
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        self._entries, self._stats, self._tensors = [], [], {}
+
+
+def dump(model: torch.nn.Module, path: str | Path, mode: str = "statistics",
+         steps: Sequence[int] | None = None, modules: Sequence[str] | None = None) -> Dump:
+    """A `Dump` of ``model`` into ``path`` (use as a context manager)."""
+    return Dump(model, path, mode, steps, modules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and comparing
+
+
+@dataclass
+class StepDump:
+    """One step of one rank, read back and checked."""
+
+    folder: Path
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor] | None
+
+
+def read_step(folder: Path) -> StepDump:
+    """Read ``folder`` (a ``step<N>``): the manifest, and the tensors it vouches for.
+
+    Raises:
+        DumpError: no manifest, a manifest of another format, or a tensor file that is
+            missing or whose size or SHA-256 differs from the manifest's.
+    """
+    from safetensors.torch import load
+
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        raise DumpError(f"{folder}: no {MANIFEST} (an incomplete or missing dump)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as error:
+        raise DumpError(f"{manifest_path}: not valid JSON ({error})") from None
+    if manifest.get("format") != FORMAT:
+        raise DumpError(f"{manifest_path}: format {manifest.get('format')!r}, "
+                        f"expected {FORMAT!r}")
+    tensors = None
+    if manifest["mode"] == "tensor":
+        info = manifest["tensors"]
+        path = folder / info["file"]
+        if not path.exists():
+            raise DumpError(f"{path}: missing")
+        data = path.read_bytes()
+        if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+            raise DumpError(f"{path}: {len(data)} bytes, the manifest vouches for "
+                            f"{info['bytes']} bytes with another checksum (truncated or "
+                            "modified)")
+        tensors = load(data)
+    return StepDump(folder, manifest, tensors)
+
+
+def step_folders(run: Path) -> list[Path]:
+    """Every ``rank<R>/step<N>`` folder of a run, sorted by rank then step.
+
+    Raises:
+        DumpError: the run has none.
+    """
+    folders = sorted(run.glob("rank*/step*"),
+                     key=lambda p: (int(p.parent.name[4:]), int(p.name[4:])))
+    if not folders:
+        raise DumpError(f"{run}: no rank*/step* folders (not an opforge dump)")
+    return folders
+
+
+@dataclass
+class EntryComparison:
+    """One matched entry of two dumps."""
+
+    key: str
+    module: str
+    phase: str
+    io: str
+    dtype: str
+    cosine: float
+    max_abs: float
+    max_rel: float
+    thousandth_ratio: float
+    five_thousandths_ratio: float
+    diverged: bool
+
+
+def _lower_precision(a: str, b: str) -> torch.dtype:
+    dtypes = [getattr(torch, a), getattr(torch, b)]
+    return min(dtypes, key=lambda d: torch.finfo(d).bits)
+
+
+def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Metrics:
+    # Statistics mode has no elements to compare: compare the statistics themselves, as a
+    # 4-vector (min, max, mean, norm), with NaN/Inf counts as the special values.
+    def vector(entry: dict[str, Any]) -> torch.Tensor:
+        stats = entry["stats"]
+        special = math.nan if stats["nan"] else (math.inf if stats["inf"] else 0.0)
+        return torch.tensor([stats["min"], stats["max"], stats["mean"], stats["norm"],
+                             special], dtype=torch.float64)
+    return compare_tensors(vector(entry_b), vector(entry_a), dtype=torch.float64)
+
+
+def compare_steps(a: StepDump, b: StepDump) -> list[EntryComparison]:
+    """Compare two dumps of one step entry by entry, in call order; ``a`` is the
+    reference.
+
+    Raises:
+        DumpError: the modes differ, or the entries do not line up (missing keys, other
+            order or shapes).
+    """
+    if a.manifest["mode"] != b.manifest["mode"]:
+        raise DumpError(f"{a.folder} is a {a.manifest['mode']} dump, {b.folder} a "
+                        f"{b.manifest['mode']} dump")
+    entries_a, entries_b = a.manifest["entries"], b.manifest["entries"]
+    keys_a, keys_b = [e["key"] for e in entries_a], [e["key"] for e in entries_b]
+    if keys_a != keys_b:
+        missing = sorted(set(keys_a) ^ set(keys_b))[:3]
+        raise DumpError(f"{a.folder} and {b.folder} do not line up: entries differ "
+                        f"({len(keys_a)} vs {len(keys_b)}; e.g. {missing or 'order'})")
+    results = []
+    for entry_a, entry_b in zip(entries_a, entries_b):
+        if entry_a["shape"] != entry_b["shape"]:
+            raise DumpError(f"{entry_a['key']}: shape {entry_a['shape']} vs "
+                            f"{entry_b['shape']}")
+        dtype = _lower_precision(entry_a["dtype"], entry_b["dtype"])
+        if a.tensors is not None and b.tensors is not None:
+            metrics = compare_tensors(b.tensors[entry_b["key"]], a.tensors[entry_a["key"]],
+                                      dtype=dtype)
+        else:
+            metrics = _compare_statistics(entry_a, entry_b)
+        results.append(EntryComparison(
+            entry_a["key"], entry_a["module"], entry_a["phase"], entry_a["io"],
+            str(dtype).removeprefix("torch."), metrics.cosine, metrics.max_abs,
+            metrics.max_rel, metrics.thousandth_ratio, metrics.five_thousandths_ratio,
+            _diverged(metrics, entry_a["stats"], entry_b["stats"], dtype)))
+    return results
+
+
+def _diverged(metrics: Metrics, stats_a: dict[str, float], stats_b: dict[str, float],
+              dtype: torch.dtype) -> bool:
+    limits = THRESHOLDS["run_compare"][dtype]
+    if metrics.nan_inf_mismatch or (stats_a["nan"] + stats_a["inf"]) != (
+            stats_b["nan"] + stats_b["inf"]):
+        return True
+    norm_a, norm_b = stats_a["norm"], stats_b["norm"]
+    norm_error = abs(norm_b - norm_a) / max(abs(norm_a), torch.finfo(torch.float32).tiny)
+    return metrics.cosine < limits["min_cosine"] or norm_error > limits["norm_rtol"]
+
+
+def first_divergence(results: Sequence[EntryComparison]) -> int | None:
+    """Index of the first diverged entry in call order, or ``None``."""
+    return next((i for i, r in enumerate(results) if r.diverged), None)
+
+
+def growth_point(results: Sequence[EntryComparison], factor: float = 10.0) -> int | None:
+    """Where the error starts to grow on the way to the first divergence: the first entry,
+    up to that one, whose ``1 - cosine`` is ``factor`` times the largest before it (and
+    above 1e-9). ``None`` when the runs do not diverge."""
+    end = first_divergence(results)
+    if end is None:
+        return None
+    worst = 0.0
+    for index, result in enumerate(results[:end + 1]):
+        error = 1.0 - result.cosine
+        if error > 1e-9 and error > factor * worst:
+            return index
+        worst = max(worst, error)
+    return end
+
+
+@contextlib.contextmanager
+def _plot_figure(path: Path) -> Iterator[Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 4))
+    try:
+        yield axis
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+    finally:
+        plt.close(figure)
+
+
+def plot_errors(results: Sequence[EntryComparison], path: Path) -> None:
+    """PNG of ``1 - cosine`` and max relative error against call order (depth)."""
+    with _plot_figure(path) as axis:
+        depth = range(len(results))
+        axis.semilogy(depth, [max(1 - r.cosine, 1e-12) for r in results], label="1 - cosine")
+        axis.semilogy(depth, [max(r.max_rel, 1e-12) for r in results], label="max rel error")
+        for index, result in enumerate(results):
+            if result.diverged:
+                axis.axvline(index, color="red", alpha=0.3)
+                break
+        axis.set_xlabel("entry in call order (forward, then backward)")
+        axis.set_ylabel("error")
+        axis.legend()

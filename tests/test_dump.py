@@ -1,0 +1,125 @@
+"""Dump and compare: identical runs agree, a planted divergence is found at its layer,
+fp32 vs bf16 and torch vs triton runs agree, truncated or misaligned dumps fail closed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import opforge
+from opforge.cli import main
+from opforge.precision.dump import DumpError, dump, read_step, step_folders
+
+
+class Block(torch.nn.Module):
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return opforge.gelu(self.linear(x)) * self.scale
+
+
+def _model(diverge_at: int | None = None, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    blocks = [Block(1.5 if i == diverge_at else 1.0) for i in range(4)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(32, 1)).to(dtype)
+
+
+def _run(path, model, mode="tensor", steps=2, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(1)
+    with dump(model, path, mode=mode) as d:
+        for _ in range(steps):
+            model(torch.randn(8, 32, generator=generator).to(dtype)).float().sum().backward()
+            d.step()
+
+
+def test_dump_layout_and_manifest(tmp_path):
+    _run(tmp_path / "a", _model(), steps=2)
+    folders = step_folders(tmp_path / "a")
+    assert [f"{f.parent.name}/{f.name}" for f in folders] == ["rank0/step0", "rank0/step1"]
+    step = read_step(folders[0])
+    entries = step.manifest["entries"]
+    assert entries[0]["key"] == "0.linear#0.forward.input.0"
+    assert any(e["phase"] == "backward" for e in entries)
+    assert set(step.tensors) == {e["key"] for e in entries}
+    assert not list((tmp_path / "a").rglob("*.tmp"))
+    assert not list((tmp_path / "a").rglob("*.pt"))   # no pickle anywhere
+
+
+@pytest.mark.parametrize("mode", ["tensor", "statistics"])
+def test_identical_runs_exit_zero(tmp_path, mode, capsys):
+    _run(tmp_path / "a", _model(), mode=mode)
+    _run(tmp_path / "b", _model(), mode=mode)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot",
+                 str(tmp_path / "plot.png")]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode", ["tensor", "statistics"])
+def test_planted_divergence_is_found_at_its_layer(tmp_path, mode, capsys):
+    _run(tmp_path / "a", _model(), mode=mode)
+    _run(tmp_path / "b", _model(diverge_at=2), mode=mode)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 1
+    out = capsys.readouterr().out
+    assert "first divergent module 2 " in out, out
+
+
+def test_fp32_and_bf16_runs_agree_within_bf16(tmp_path):
+    _run(tmp_path / "a", _model())
+    _run(tmp_path / "b", _model(dtype=torch.bfloat16), dtype=torch.bfloat16)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 0
+
+
+def test_torch_and_triton_backends_agree(tmp_path):
+    with opforge.use_backend("torch"):
+        _run(tmp_path / "a", _model(), steps=1)
+    with opforge.use_backend("triton"):
+        _run(tmp_path / "b", _model(), steps=1)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 0
+
+
+def test_truncated_dump_fails_closed(tmp_path, capsys):
+    _run(tmp_path / "a", _model(), steps=1)
+    _run(tmp_path / "b", _model(), steps=1)
+    tensors = tmp_path / "b" / "rank0" / "step0" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-100])
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 2
+    assert "truncated" in capsys.readouterr().out
+    with pytest.raises(DumpError, match="truncated"):
+        read_step(tensors.parent)
+
+
+def test_missing_and_misaligned_dumps_fail_closed(tmp_path, capsys):
+    _run(tmp_path / "a", _model(), steps=2)
+    _run(tmp_path / "b", _model(), steps=1)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 2
+    assert "different steps" in capsys.readouterr().out
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "none"), "--plot", ""]) == 2
+    manifest = tmp_path / "b" / "rank0" / "step0" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["entries"] = data["entries"][1:]
+    manifest.write_text(json.dumps(data))
+    _run(tmp_path / "c", _model(), steps=1)
+    assert main(["compare", str(tmp_path / "c"), str(tmp_path / "b"), "--plot", ""]) == 2
+    assert "do not line up" in capsys.readouterr().out
+
+
+def test_step_and_module_filters(tmp_path):
+    model = _model()
+    generator = torch.Generator().manual_seed(1)
+    with dump(model, tmp_path / "a", mode="statistics", steps=[1], modules=["2."]) as d:
+        for _ in range(3):
+            model(torch.randn(8, 32, generator=generator)).sum().backward()
+            d.step()
+    folders = step_folders(tmp_path / "a")
+    assert [f.name for f in folders] == ["step1"]
+    entries = read_step(folders[0]).manifest["entries"]
+    assert entries and all(e["module"].startswith("2.") for e in entries)
+    assert read_step(folders[0]).tensors is None
+    with pytest.raises(ValueError, match="mode"):
+        dump(model, tmp_path / "x", mode="everything")
