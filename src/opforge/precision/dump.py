@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from opforge.precision.metrics import Metrics, compare_tensors
-from opforge.precision.monitor import FAST_STATS, _rank, _tensors, tensor_stats
+from opforge.precision.monitor import FAST_STATS, _rank, _tensors, hook_modules, tensor_stats
 from opforge.precision.standards import THRESHOLDS
 
 MODES = ("statistics", "tensor")
@@ -103,9 +103,7 @@ class Dump:
         self._active = False
 
     def __enter__(self) -> Dump:
-        for name, module in self.model.named_modules():
-            if self.modules is None or any(part in name for part in self.modules):
-                self._handles.append(module.register_forward_hook(self._hook(name)))
+        self._handles = hook_modules(self.model, self.modules, self._hook)
         self._active = True
         return self
 

@@ -178,9 +178,7 @@ class Monitor:
     # -- hooks ---------------------------------------------------------------------------
 
     def __enter__(self) -> Monitor:
-        for name, module in self.model.named_modules():
-            if self.modules is None or any(part in name for part in self.modules):
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+        self._handles = hook_modules(self.model, self.modules, self._forward_hook)
         self._active = True
         return self
 
@@ -360,6 +358,16 @@ class Monitor:
                   f"{a.module or '<model>'} | {a.phase} | {a.io} | {a.value:.4g} | {a.detail} |"
                   for a in self.alerts]
         return "\n".join(lines)
+
+
+def hook_modules(model: torch.nn.Module, filters: Sequence[str] | None,
+                 make_hook: Callable[[str], Callable[..., None]]) -> list[Any]:
+    """Register ``make_hook(path)`` as the forward hook of every submodule of ``model``
+    (the root included) whose dotted path contains one of ``filters`` (all when ``None``);
+    returns the handles."""
+    return [module.register_forward_hook(make_hook(name))
+            for name, module in model.named_modules()
+            if filters is None or any(part in name for part in filters)]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
