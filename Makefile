@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench certificate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+
+certificate: $(STAMP)
+	$(BIN)/opforge verify --report reports/verify --certificate docs/precision-certificate.md
 
 bench: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python benchmarks/replay.py

@@ -15,28 +15,47 @@ from opforge.cli import main
 def test_ops_lists_every_operator(capsys):
     assert main(["ops"]) == 0
     text = capsys.readouterr().out
-    for name in ("broadcast_add", "gelu", "sigmoid", "reduce_sum", "approximate", "bfloat16"):
+    for name in ("broadcast_add", "gelu", "sigmoid", "reduce_sum", "approximate", "bfloat16",
+                 "benchmark_ratio L2", "absolute L0"):
         assert name in text
 
 
 def test_verify_writes_a_report(tmp_path, capsys):
+    certificate = tmp_path / "docs" / "certificate.md"
     assert main(["verify", "sigmoid", "gelu", "--dtype", "float32", "--dtype", "bfloat16",
-                 "--report", str(tmp_path)]) == 0
+                 "--cases", "samples", "--quiet", "--report", str(tmp_path),
+                 "--certificate", str(certificate)]) == 0
     out = capsys.readouterr().out
     assert "sigmoid" in out and "0 failed" in out
     cases = json.loads((tmp_path / "verify.json").read_text())["cases"]
     assert {c["backend"] for c in cases} == {"torch", "triton"}
-    assert all(c["status"] == "pass" for c in cases)
-    assert "| gelu | triton | bfloat16 |" in (tmp_path / "verify.md").read_text()
+    assert {c["status"] for c in cases} <= {"pass", "known"}
+    assert all(c["category"] == "benchmark_ratio" for c in cases)
+    # Every case was also measured against torch's own operator.
+    assert all(c["peer_max_rel"] == c["peer_max_rel"] for c in cases)
+    report = (tmp_path / "verify.md").read_text()
+    assert "| gelu | triton | bfloat16 |" in report
+    assert "| gelu | benchmark_ratio | L2 | torch.nn.functional.gelu |" in report
+    assert (tmp_path / "verify.png").read_bytes()[:4] == b"\x89PNG"
+    assert certificate.read_text() == report.replace("verify.png", "certificate.png")
+    assert certificate.with_suffix(".png").exists()
 
 
 def test_verify_fails_with_non_zero_exit(monkeypatch, capsys):
     import opforge
 
     op = opforge.get_op("sigmoid")
-    monkeypatch.setattr(op, "reference_fn", lambda x, *, compute_dtype: x.to(compute_dtype))
-    assert main(["verify", "sigmoid", "--backend", "triton", "--dtype", "float32"]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    launch = op.launchers["triton"]
+
+    def wrong(plan, inputs, outputs, workspace):
+        launch(plan, inputs, outputs, workspace)
+        outputs[0].mul_(1.01)
+
+    monkeypatch.setitem(op.launchers, "triton", wrong)
+    assert main(["verify", "sigmoid", "--backend", "triton", "--dtype", "float32",
+                 "--cases", "samples", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "sigmoid / randn_4097 / triton / float32: fail" in out
 
 
 def test_verify_unknown_operator(capsys):
@@ -55,7 +74,7 @@ def test_doctor(capsys):
 def test_verify_turns_the_interpreter_on_by_itself(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "opforge", "verify", "broadcast_add",
-                           "--backend", "triton", "--dtype", "float16"],
+                           "--backend", "triton", "--dtype", "float16", "--cases", "samples"],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "triton" in done.stdout and "0 failed" in done.stdout

@@ -63,12 +63,18 @@ def test_no_banned_triton_apis(path):
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
-def test_loads_of_storage_dtypes_are_widened_to_float32(path):
-    """bf16 arithmetic fails in the interpreter: every tl.load is cast to float32 right away
-    (workspace partials are float32 already)."""
+def test_storage_dtypes_convert_through_the_exact_helpers(path):
+    """Every tl.load is widened to float32 at once by `widen` (bf16 arithmetic fails in the
+    interpreter, whose bf16 casts also mangle subnormals) and every tl.store rounds through
+    `rounded_for` (the interpreter's bf16 cast truncates); workspace partials are float32
+    and exempt."""
     for number, line in enumerate(path.read_text().splitlines(), 1):
-        if "tl.load(" in line and "partial" not in line:
-            assert ".to(tl.float32)" in line, f"{path.name}:{number}: {line.strip()}"
+        if "partial" in line:
+            continue
+        if "tl.load(" in line:
+            assert "widen(tl.load(" in line, f"{path.name}:{number}: {line.strip()}"
+        if "tl.store(" in line:
+            assert "rounded_for(" in line, f"{path.name}:{number}: {line.strip()}"
 
 
 @pytest.mark.parametrize("path", [p for p in MODULES if not p.name.startswith("_")],

@@ -16,6 +16,21 @@ from opforge.precision.metrics import compare_tensors
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+
+    @triton.jit
+    def _convert(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(out_ptr + offsets, rounded_for(widen(tl.load(x_ptr + offsets, mask=mask)),
+                                                out_ptr), mask=mask)
+except ImportError:  # pragma: no cover
+    triton = None
+
 OPS = [op.name for op in opforge.list_ops()]
 ODD_SIZES = (1, 7, 63, 1000, 4097)
 
@@ -220,3 +235,27 @@ def test_poisoned_outputs_expose_unwritten_elements(monkeypatch):
         plan = opforge.plan(op, x)
     with pytest.raises(AssertionError, match="NaN/Inf mismatches"):
         assert_golden(op, Case("half", (x,)), plan.run(x))
+
+
+
+def test_bfloat16_conversions_are_exact_in_every_range():
+    """Kernels convert through `widen` / `rounded_for`: round-to-nearest-even as torch does,
+    subnormals, overflow to Inf and NaN included (the interpreter's own casts truncate and
+    mangle subnormals)."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+    generator = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-149, 128, (20000,), generator=generator).float()
+    x = torch.randn(20000, generator=generator) * torch.exp2(exponents)
+    x[:7] = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.3961e38, -0.0,
+                          1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])   # ties go to the even neighbour
+    for source, target in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                           (torch.float32, torch.float16), (torch.float16, torch.float32)):
+        given = x.to(source)
+        out = torch.empty(x.shape, dtype=target)
+        _convert[(triton.cdiv(x.numel(), 4096),)](given, out, x.numel(), BLOCK=4096)
+        expected = given.to(target)
+        assert torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num()), (source, target)
+        numbers = ~expected.isnan()
+        assert torch.equal(out[numbers].signbit(), expected[numbers].signbit())

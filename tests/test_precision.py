@@ -130,3 +130,32 @@ def test_benchmark_ratio_standard():
         judge(ours, torch.bfloat16, "benchmark_ratio", peer=peer, level="L9")
     with pytest.raises(ValueError, match="category"):
         judge(ours, torch.bfloat16, "vibes")
+
+
+def test_error_balance_ratio_ignores_chance_imbalance_but_not_truncation():
+    generator = torch.Generator().manual_seed(3)
+    golden = torch.randn(4096, generator=generator, dtype=torch.float64).abs()
+    rounded = compare_tensors(golden.to(torch.bfloat16), golden)
+    # A peer whose rounding happened to balance exactly: the noise floor 3/sqrt(n) decides.
+    balanced_peer = compare_tensors(golden.to(torch.bfloat16), golden)
+    object.__setattr__(balanced_peer, "error_balance", 0.0)
+    assert rounded.error_balance < 3 / math.sqrt(4096)
+    assert judge(rounded, torch.bfloat16, "benchmark_ratio", peer=balanced_peer).passed
+    # Truncating positive values leans every error one way: EB ~ 1, far above the floor.
+    bits = golden.float().view(torch.int32) & ~0xFFFF
+    truncated = compare_tensors(bits.view(torch.float32).to(torch.bfloat16), golden)
+    verdict = judge(truncated, torch.bfloat16, "benchmark_ratio", peer=rounded)
+    assert truncated.error_balance > 0.9
+    assert verdict.status == "error" and any(r.startswith("eb ratio") for r in verdict.reasons)
+
+
+def test_rmse_ratio_floor_is_relative_to_the_golden():
+    """RMSE is absolute: its floor scales with the golden's RMS, like the RE ratios' floor."""
+    golden = torch.full((16,), 8e4, dtype=torch.float64)
+    exact_peer = compare_tensors(golden.float(), golden)
+    ours = compare_tensors((golden + 0.004).float(), golden)   # well under one ulp (0.0078)
+    assert exact_peer.rmse == 0 and ours.rmse > 0
+    assert ours.golden_rms == pytest.approx(8e4)
+    assert judge(ours, torch.float32, "benchmark_ratio", peer=exact_peer, level="L2").passed
+    off = compare_tensors((golden * (1 + 1e-3)).float(), golden)
+    assert not judge(off, torch.float32, "benchmark_ratio", peer=exact_peer, level="L2").passed

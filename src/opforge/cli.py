@@ -34,20 +34,26 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from opforge.core.opdef import dtype_name
 
     table = Table(title="opforge operators", show_lines=True)
-    for column in ("name", "inputs", "attributes", "dtypes", "backends", "autocast"):
+    for column in ("name", "inputs", "attributes", "dtypes", "backends", "autocast",
+                   "precision standard"):
         table.add_column(column)
     for op in opforge.list_ops():
         inputs = ", ".join(a.name + ("?" if a.optional else "") for a in op.inputs)
         attrs = "\n".join(a.describe() for a in op.attrs) or "-"
         dtypes = ", ".join(dtype_name(d) for d in op.inputs[0].dtypes)
+        spec = op.precision
+        standard = f"{spec.category} {spec.level}" + (
+            f"\n{len(spec.known_limitations)} known limitation(s)"
+            if spec.known_limitations else "")
         table.add_row(op.name, inputs, attrs, dtypes, ", ".join(op.backends),
-                      op.autocast.value)
+                      op.autocast.value, standard)
     console.print(table)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     import opforge
     from opforge.precision.verify import DTYPES, summarize, verify, write_report
@@ -56,30 +62,57 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(DTYPES)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    results = verify(ops, dtypes, backends, device=device, seed=args.seed)
-    table = Table(title=f"opforge verify ({device}) — error vs the float64 golden")
-    for column in ("op", "backend", "dtype", "cases", "max abs", "max rel", "max eps",
-                   "bound", "status"):
-        table.add_column(column, justify="right" if column.startswith(("max", "b", "c"))
-                         else "left")
-    for row in summarize(results):
-        status = {"pass": "[green]pass[/]", "FAIL": "[red]FAIL[/]"}.get(str(row["status"]),
-                                                                        "[yellow]skip[/]")
+    case_sets = ["samples", "sweep"] if args.cases == "all" else [args.cases]
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True, disable=args.quiet) as bar:
+        task = bar.add_task("verify", total=None)
+
+        def advance(total: int, result: object) -> None:
+            if result is None:
+                bar.update(task, total=total)
+            else:
+                bar.update(task, advance=1, description=f"verify {result.op} "
+                                                        f"{result.backend} {result.dtype}")
+
+        results = verify(ops, dtypes, backends, device=device, seed=args.seed,
+                         case_sets=case_sets, progress=advance)
+    table = Table(title=f"opforge verify ({device}) — error vs the float64 golden, "
+                        "opforge / torch")
+    for column in ("op", "backend", "dtype", "standard", "cases", "pass", "warn", "known",
+                   "fail", "max rel", "max eps", "status"):
+        table.add_column(column, justify="left" if column in ("op", "backend", "dtype",
+                                                              "standard", "status")
+                         else "right")
+    styles = {"pass": "[green]pass[/]", "FAIL": "[red]FAIL[/]", "known": "[yellow]known[/]",
+              "warning": "[yellow]warning[/]", "skip": "[yellow]skip[/]"}
+    rows = summarize(results)
+    for row in rows:
         table.add_row(str(row["op"]), str(row["backend"]), str(row["dtype"]),
-                      str(row["cases"]), f"{row['max_abs']:.3g}", f"{row['max_rel']:.3g}",
-                      f"{row['max_eps']:.3g}", f"{row['bound']:g}", status)
+                      str(row["category"]), str(row["cases"]), str(row["pass"]),
+                      str(row["warning"]), str(row["known"]),
+                      str(int(row["fail"]) + int(row["error"])),
+                      f"{row['max_rel']:.3g} / {row['peer_max_rel']:.3g}",
+                      f"{row['max_eps']:.3g} / {row['peer_max_eps']:.3g}",
+                      styles[str(row["status"])])
     console.print(table)
-    for row in summarize(results):
-        for failure in row["failed"]:
-            console.print(f"[red]{row['op']} {row['backend']} {row['dtype']}: {failure}")
+    for r in results:
+        if r.status in ("fail", "error"):
+            reason = "; ".join(r.reasons) or r.detail.splitlines()[0]
+            console.print(f"[red]{r.op} / {r.case} / {r.backend} / {r.dtype}: {r.status}: "
+                          f"{reason}")
+    for row in rows:
         if row["status"] == "skip":
             console.print(f"[yellow]{row['op']} {row['backend']} skipped: {row['detail']}")
-    if args.report:
-        path = write_report(results, args.report)
-        console.print(f"report: {path}")
+    if args.report or args.certificate:
+        path = write_report(results, args.report or "reports/verify", ops, device, args.seed,
+                            case_sets, certificate=args.certificate)
+        console.print(f"report: {path}" + (f", certificate: {args.certificate}"
+                                           if args.certificate else ""))
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "known")}
     failed = sum(r.status in ("fail", "error") for r in results)
-    passed = sum(r.status == "pass" for r in results)
-    console.print(f"{passed} passed, {failed} failed")
+    console.print(f"{counts['pass']} passed, {counts['warning']} warnings, {counts['known']} "
+                  f"known limitations, {failed} failed")
     return 1 if failed else 0
 
 
@@ -237,7 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--backend", default="all", choices=["all", "torch", "triton"])
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
     verify.add_argument("--seed", type=int, default=0)
-    verify.add_argument("--report", default=None, help="directory for verify.{md,json}")
+    verify.add_argument("--cases", default="all", choices=["all", "samples", "sweep"],
+                        help="the operators' own samples, the precision.cases sweep, or both")
+    verify.add_argument("--report", default=None,
+                        help="directory for verify.md, verify.json and verify.png")
+    verify.add_argument("--certificate", default=None,
+                        help="also write the report as this Markdown file, with its .png plot")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
     check = sub.add_parser("compile-check",
                            help="compile every kernel variant for a GPU target, no GPU needed")
     check.add_argument("ops", nargs="*", help="operator names (default: all)")

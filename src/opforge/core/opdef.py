@@ -3,15 +3,16 @@
 An operator module declares its prototype (named tensor inputs with their dtypes, outputs,
 typed attributes with defaults and ranges), its pure functions over `TensorSpec`s
 (``infer_shape``, ``infer_dtype``, ``check``, ``cost``, ``tiling``, ``grid``, ``workspace``),
-its autocast policy and its verification samples. It then attaches, with decorators, its
-``reference`` (plain torch, parameterised by compute dtype), its backend launchers and its
-autograd formula. `opforge.plan` validates, infers and tiles from the declaration;
+its autocast policy, its verification samples and its precision standard. It then attaches,
+with decorators, its ``reference`` (plain torch, parameterised by compute dtype), its backend
+launchers and its autograd formula. `opforge.plan` validates, infers and tiles from the declaration;
 `opforge.library` derives the ``torch.ops.opforge.*`` schema, fake and autograd from it.
 """
 
 from __future__ import annotations
 
 import enum
+import fnmatch
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -236,6 +237,55 @@ class Case:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class KnownLimitation:
+    """Verification cases known to miss their precision standard, and why.
+
+    ``case``, ``backend`` and ``dtype`` are `fnmatch` patterns over the case name (sweep
+    cases are named ``<kind>_<shape>``), the backend and the dtype name. A matching case
+    that misses its standard is reported as ``known`` with ``reason``, never silently.
+    """
+
+    reason: str
+    case: str = "*"
+    backend: str = "*"
+    dtype: str = "*"
+
+    def matches(self, case: str, backend: str, dtype: str) -> bool:
+        return (fnmatch.fnmatchcase(case, self.case)
+                and fnmatch.fnmatchcase(backend, self.backend)
+                and fnmatch.fnmatchcase(dtype, self.dtype))
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """How `opforge verify` judges an operator (see `opforge.precision.standards`).
+
+    Attributes:
+        category: the standard for its floating outputs: ``"absolute"``, ``"binary"``,
+            ``"ulp"``, ``"dual_thousandth"`` or ``"benchmark_ratio"``. Integer and bool
+            outputs are always judged ``"binary"``.
+        level: ``"L0"``, ``"L1"`` or ``"L2"``: the benchmark-ratio limits.
+        peer: torch's own operator, ``peer(*inputs, **attrs)`` in the inputs' dtype: the
+            benchmark opforge's error is compared with (same float64 golden).
+        sweep: ``sweep(kind, shape, dtype, device, generator) -> list[Case]``: the cases
+            built from a `opforge.precision.cases` kind and shape (empty: the kind does not
+            apply). ``None``: every tensor input is generated from the kind and shape.
+        known_limitations: cases allowed to miss the standard, each with its reason.
+    """
+
+    category: str = "benchmark_ratio"
+    level: str = "L0"
+    peer: Callable[..., Any] | None = None
+    sweep: Callable[..., list[Case]] | None = None
+    known_limitations: tuple[KnownLimitation, ...] = ()
+
+    def limitation(self, case: str, backend: str, dtype: str) -> KnownLimitation | None:
+        """The first known limitation covering the case, if any."""
+        return next((known for known in self.known_limitations
+                     if known.matches(case, backend, dtype)), None)
+
+
 Specs = Sequence["TensorSpec | None"]
 Attrs = Mapping[str, Any]
 Launcher = Callable[["Plan", Sequence["torch.Tensor | None"], Sequence[torch.Tensor],
@@ -275,6 +325,8 @@ class OpDef:
         error_scale(opdef, inputs, attrs, golden) -> float64 tensor: the magnitude errors are
             judged against (|golden| by default; a condition-aware scale where rounding of
             the inputs is amplified, e.g. sum(|x|) for a reduction).
+        precision: the standard `opforge verify` judges it by, its torch peer, its sweep
+            cases and known limitations (`PrecisionSpec`).
 
     Attached by decorators in the operator module: `reference`, `launcher`, `declines`,
     `autograd`.
@@ -295,6 +347,7 @@ class OpDef:
     workspace: Callable[[Tiling, tuple[int, ...], Specs, Specs, Attrs], int] = _no_workspace
     autocast: AutocastPolicy = AutocastPolicy.KEEP
     error_scale: Callable[..., torch.Tensor] = magnitude_scale
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

@@ -23,6 +23,7 @@ from opforge.core.opdef import (
     Cost,
     OpDef,
     OutputArg,
+    PrecisionSpec,
     Specs,
     TensorArg,
     Tiling,
@@ -32,6 +33,8 @@ from opforge.core.tiling import cdiv, next_power_of_2, persistent_grid
 try:
     import triton
     import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
 except ImportError:  # pragma: no cover - exercised on installs without triton
     triton = None
 
@@ -152,8 +155,8 @@ def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attr
 
 
 def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
-                   samples: Callable[..., list[Case]], *, attrs: tuple[Attr, ...] = (),
-                   flops_per_element: int, temporaries: int = 4,
+                   samples: Callable[..., list[Case]], *, precision: PrecisionSpec,
+                   attrs: tuple[Attr, ...] = (), flops_per_element: int, temporaries: int = 4,
                    infer_shape: Callable[[Specs, Attrs], list[tuple[int, ...]]] = same_shape,
                    check: Callable[[Specs, Attrs], None] | None = None) -> OpDef:
     """The OpDef of an elementwise operator with one output ``out``: by default the
@@ -169,6 +172,7 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
         grid=elementwise_grid,
         error_scale=perturbation_scale,
         samples=samples,
+        precision=precision,
         **extra,
     )
 
@@ -228,12 +232,12 @@ if triton is not None:
                 rem, off_a, off_b = _peel_dim(rem, off_a, off_b, s1, a1, b1)
             off_a += rem * a0
             off_b += rem * b0
-            a = tl.load(a_ptr + off_a, mask=mask).to(tl.float32)
+            a = widen(tl.load(a_ptr + off_a, mask=mask))
             if HAS_B:
-                b = tl.load(b_ptr + off_b, mask=mask).to(tl.float32)
+                b = widen(tl.load(b_ptr + off_b, mask=mask))
             else:
                 b = a
-            tl.store(out_ptr + lin, FN(a, b, scalar), mask=mask)
+            tl.store(out_ptr + lin, rounded_for(FN(a, b, scalar), out_ptr), mask=mask)
 
 
 def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,

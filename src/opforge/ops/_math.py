@@ -1,6 +1,13 @@
 """Portable float32 math for Triton kernels, from primitives only (no libdevice, which
-triton-ascend and the interpreter lack): a sigmoid that never overflows, and the normal
-distribution's CDF and density with full float32 relative accuracy in the tails.
+triton-ascend and the interpreter lack): a sigmoid that never overflows, the normal
+distribution's CDF and density with full float32 relative accuracy in the tails, and exact
+bfloat16 conversions.
+
+bfloat16 <-> float32 conversions go through integer bit operations (`widen`,
+`rounded_for`): bfloat16 is the top half of a float32, so the conversions are a shift and
+a round-to-nearest-even on the dropped half. The Triton interpreter's own casts truncate on
+the way down and mangle subnormals both ways; the integer form gives the same bits as a
+GPU's ``cvt.rn`` everywhere.
 """
 
 from __future__ import annotations
@@ -20,8 +27,35 @@ if triton is not None:
     VELTKAMP = tl.constexpr(4097.0)
     # Beyond |x| = 10 sqrt(2), erfc(|x| / sqrt(2)) underflows float32 (erfc(10) ~ 2e-45).
     ERFC_UNDERFLOW_X = tl.constexpr(14.142135623730951)
+    # Beyond |x| = 15, exp(-x^2/2) underflows float32 (exp(-112.5) ~ 1e-49).
+    PDF_UNDERFLOW_X = tl.constexpr(15.0)
     # |z| below this uses erf's Taylor series; above, erfc's Chebyshev fit.
     ERF_SERIES_LIMIT = tl.constexpr(0.84375)
+
+    # Rounding increment of the 16 dropped bits (ties go to the even kept bit) and the
+    # canonical bfloat16 NaN.
+    BF16_HALF_ULP = tl.constexpr(0x7FFF)
+    BF16_NAN = tl.constexpr(0x7FC0)
+
+    @triton.jit
+    def widen(x):
+        """``x`` (a loaded block) as float32, exactly."""
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32,
+                                                                          bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def rounded_for(x, ptr):
+        """float32 ``x`` rounded to nearest even in the element type of ``ptr``."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + BF16_HALF_ULP + ((bits >> 16) & 1)
+            upper = tl.where(x != x, BF16_NAN, bits >> 16).to(tl.uint16)
+            return upper.to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(ptr.dtype.element_ty)
 
     @triton.jit
     def sigmoid_pair(z):
@@ -90,5 +124,7 @@ if triton is not None:
 
     @triton.jit
     def normal_pdf(x):
-        """phi(x) = exp(-x^2/2) / sqrt(2 pi)."""
-        return exp_neg_half_square(x) * INV_SQRT_2PI
+        """phi(x) = exp(-x^2/2) / sqrt(2 pi); exactly 0 beyond |x| = 15, where the split of
+        x (x * 4097) would overflow for huge |x|."""
+        safe = tl.minimum(tl.maximum(x, -PDF_UNDERFLOW_X), PDF_UNDERFLOW_X)
+        return exp_neg_half_square(safe) * INV_SQRT_2PI

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from opforge.core.errors import ShapeError
-from opforge.core.opdef import Attr, Attrs, Case, Specs, TensorArg
+from opforge.core.opdef import Attr, Attrs, Case, PrecisionSpec, Specs, TensorArg
 from opforge.core.shapes import broadcast_dims, broadcast_shapes, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops._elementwise import (
@@ -23,6 +23,7 @@ from opforge.ops._elementwise import (
     launch_elementwise,
     random_input,
 )
+from opforge.precision.cases import generate
 
 try:
     import triton
@@ -63,11 +64,30 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
     ]
 
 
+def _torch_add(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """torch.add"""
+    return torch.add(a, b, alpha=alpha)
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """``a`` drawn from the kind with a bias ``b`` over its last dim; for ``cancellation``
+    also ``b = -a (1 + 4 eps)`` of a's shape, whose sum cancels to a few ulps of a."""
+    a = generate(kind, shape, dtype, device=device, generator=generator)
+    bias = generate(kind, a.shape[-1:], dtype, device=device, generator=generator)
+    cases = [Case("bias", (a, bias))]
+    if kind == "cancellation":
+        eps = torch.finfo(dtype).eps
+        cases.append(Case("negated", (a, (-a.double() * (1 + 4 * eps)).to(dtype))))
+    return cases
+
+
 BROADCAST_ADD = elementwise_op(
     NAME, "a + alpha * b with NumPy broadcasting (up to 8 dims) and torch dtype promotion.",
     (TensorArg("a"), TensorArg("b")), _samples,
     attrs=(Attr("alpha", "float", 1.0, doc="multiplier of b"),),
     flops_per_element=2, infer_shape=_infer_shape, check=_check,
+    precision=PrecisionSpec("absolute", peer=_torch_add, sweep=_sweep),
 )
 
 

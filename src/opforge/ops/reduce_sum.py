@@ -19,7 +19,19 @@ from collections.abc import Sequence
 import torch
 
 from opforge.core.hardware import HardwareProfile
-from opforge.core.opdef import Attr, Attrs, Case, Cost, OpDef, OutputArg, Specs, TensorArg, Tiling
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    KnownLimitation,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
 from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank, normalize_dims
 from opforge.core.tiling import (
     MAX_PROGRAMS,
@@ -30,10 +42,13 @@ from opforge.core.tiling import (
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.precision.cases import generate
 
 try:
     import triton
     import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -151,6 +166,24 @@ def _sum_abs_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: A
     return reference(inputs[0].abs(), compute_dtype=torch.float64, **attrs).abs()
 
 
+def _torch_sum(x: torch.Tensor, dims: Sequence[int] | None, keepdim: bool, scale: float
+               ) -> torch.Tensor:
+    """torch.sum"""
+    if dims is not None and len(dims) == 0:
+        return x * scale
+    return torch.sum(x, dim=dims, keepdim=keepdim) * scale
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """Rows summed (last dim) and, for 2-D and up, columns (first dim)."""
+    x = generate(kind, shape, dtype, device=device, generator=generator)
+    cases = [Case("rows", (x,), {"dims": (-1,)})]
+    if x.ndim > 1:
+        cases.append(Case("cols", (x,), {"dims": (0,)}))
+    return cases
+
+
 REDUCE_SUM = OpDef(
     name=NAME,
     doc="Sum over dims, accumulated in float32 and scaled once: scale * x.sum(dims).",
@@ -170,6 +203,13 @@ REDUCE_SUM = OpDef(
     workspace=_workspace,
     error_scale=_sum_abs_scale,
     samples=_samples,
+    precision=PrecisionSpec("benchmark_ratio", "L2", _torch_sum, sweep=_sweep, known_limitations=(
+        KnownLimitation(
+            "Sums accumulate in float32: when a partial sum of near-overflow terms passes "
+            "3.4e38 it becomes Inf although the exact total is finite. torch.sum accumulates "
+            "in float32 too and overflows alike; float16 inputs cannot reach the float32 "
+            "range.", case="large_*"),
+    )),
 )
 
 
@@ -214,12 +254,12 @@ if triton is not None:
                     cols = cols.to(tl.int64)
                 mask = row_mask[:, None] & (cols < K)[None, :]
                 ptrs = x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k
-                acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                acc += widen(tl.load(ptrs, mask=mask, other=0.0))
             total = tl.sum(acc, axis=1)
             if SPLIT:
                 tl.store(partial_ptr + split * M + rows, total, mask=row_mask)
             else:
-                tl.store(out_ptr + rows, total * scale, mask=row_mask)
+                tl.store(out_ptr + rows, rounded_for(total * scale, out_ptr), mask=row_mask)
 
     @triton.jit
     def _reduce_partials_kernel(partial_ptr, out_ptr, M, scale, SPLITS: tl.constexpr,
@@ -232,7 +272,7 @@ if triton is not None:
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for split in range(SPLITS):
                 total += tl.load(partial_ptr + split * M + rows, mask=mask, other=0.0)
-            tl.store(out_ptr + rows, total * scale, mask=mask)
+            tl.store(out_ptr + rows, rounded_for(total * scale, out_ptr), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opforge.core.opdef import Case, TensorArg
+from opforge.core.opdef import Case, PrecisionSpec, TensorArg
 from opforge.library import register_op
 from opforge.ops._elementwise import (
     elementwise_op,
@@ -20,6 +20,7 @@ from opforge.ops._elementwise import (
     random_input,
     same_shape_pair,
 )
+from opforge.precision.cases import generate
 
 try:
     import triton
@@ -56,13 +57,34 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
             Case("zero_size", pair(0))]
 
 
+def _torch_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid"""
+    return torch.sigmoid(x)
+
+
+def _torch_sigmoid_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """torch.ops.aten.sigmoid_backward"""
+    return torch.ops.aten.sigmoid_backward(grad, y)
+
+
+def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device, generator: torch.Generator) -> list[Case]:
+    """The gradient drawn from the kind; y = sigmoid of a draw of the kind, in (0, 1)."""
+    grad = generate(kind, shape, dtype, device=device, generator=generator)
+    logits = generate(kind, shape, torch.float64, device=device, generator=generator)
+    return [Case("", (grad, torch.sigmoid(logits).to(dtype)))]
+
+
 SIGMOID = elementwise_op("sigmoid", "1 / (1 + exp(-x)), overflow-free for any |x|.",
-                         (TensorArg("x"),), _samples, flops_per_element=4)
+                         (TensorArg("x"),), _samples, flops_per_element=4,
+                         precision=PrecisionSpec("benchmark_ratio", "L0", _torch_sigmoid))
 
 SIGMOID_BACKWARD = elementwise_op(
     "sigmoid_backward", "grad * y * (1 - y), from the forward output y.",
     (TensorArg("grad"), TensorArg("y")), _backward_samples, flops_per_element=3,
     check=same_shape_pair("sigmoid_backward", ("grad", "y")),
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_sigmoid_backward,
+                            sweep=_backward_sweep),
 )
 
 

@@ -2,7 +2,8 @@
 
 `compare_tensors(actual, golden)` computes, over the elements where both are finite:
 
-- ``max_abs``: max ``|a - g|``; ``rmse``; ``euclidean`` ``||a - g||_2``;
+- ``max_abs``: max ``|a - g|``; ``rmse``; ``euclidean`` ``||a - g||_2``; ``golden_rms``,
+  the root mean square of the golden (the magnitude an RMSE is relative to);
 - ``max_rel`` / ``mean_rel`` of ``|a - g| / |g|``; where ``g == 0`` both values are shifted
   by the eps of the compared dtype (msprobe's rule), so the relative error is ``|a| / eps``;
   ``max_rel_normal``, the largest over goldens at or above the small value;
@@ -73,6 +74,7 @@ class Metrics:
     max_rel_normal: float = 0.0
     mean_rel: float = 0.0
     rmse: float = 0.0
+    golden_rms: float = 0.0
     euclidean: float = 0.0
     cosine: float = 1.0
     error_balance: float = 0.0
@@ -168,6 +170,7 @@ def compare_tensors(actual: torch.Tensor, golden: torch.Tensor, *,
         max_rel_normal=float(rel[~tiny].max()) if bool((~tiny).any()) else 0.0,
         mean_rel=float(rel.mean()),
         rmse=float(diff.square().mean().sqrt()),
+        golden_rms=float(g.square().mean().sqrt()),
         euclidean=float(diff.norm()),
         cosine=cosine,
         error_balance=float(((a > g).sum() - (a < g).sum()).abs()) / count,

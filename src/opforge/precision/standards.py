@@ -17,13 +17,18 @@ Categories, as the Ascend precision standard (msprobe) assigns them to operators
                      operator against the same float64 golden), each ratio over
                      ``max(peer, min_err)``, within the limits of the operator's level
                      (L0 general, L1 fused/attention-like, L2 the most common: matmul,
-                     layer norm, GELU, sum...).
+                     layer norm, GELU, sum...). The error-balance ratio's floor is also
+                     3/sqrt(n), the chance imbalance of unbiased rounding (opforge's
+                     addition: msprobe's floor alone makes the EB ratio of two unbiased
+                     results a coin toss), and RMSE, an absolute error, has the floor
+                     min_err x the golden's RMS: the relative floor of the RE ratios.
 
 All thresholds live in `THRESHOLDS`; ``docs/precision.md`` documents them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +78,10 @@ THRESHOLDS: dict[str, dict[object, dict[str, float]]] = {
         "L2": {"max_rel": 2.0, "mean_rel": 1.2, "rmse": 1.2, "small_value": 2.0, "eb": 2.0},
         "min_err": {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8,
                     torch.float32: 2.0**-14, torch.float64: 2.0**-30},
+        # Unbiased rounding of n elements gives an error balance of about 1/sqrt(n) by
+        # chance: the EB ratio's floor is also eb_noise_sigmas / sqrt(n), so that two
+        # unbiased results are never told apart by noise (truncation still gives EB ~ 1).
+        "eb_noise_sigmas": 3.0,
     },
 }
 
@@ -193,11 +202,14 @@ def _benchmark(metrics: Metrics, dtype: torch.dtype, peer: Metrics | None,
     floor = THRESHOLDS["benchmark_ratio"]["min_err"].get(dtype)
     if floor is None:
         raise ValueError(f"the benchmark_ratio standard has no thresholds for {dtype}")
+    noise = THRESHOLDS["benchmark_ratio"]["eb_noise_sigmas"] / math.sqrt(max(metrics.count, 1))
     reasons = []
     for name, limit in limits.items():
         ours = abs(getattr(metrics, _RATIO_FIELDS[name]))
         theirs = abs(getattr(peer, _RATIO_FIELDS[name]))
-        ratio = ours / max(theirs, floor)
+        denominator = max(theirs, {"eb": max(floor, noise),
+                                   "rmse": floor * metrics.golden_rms}.get(name, floor))
+        ratio = ours / denominator if denominator else (math.inf if ours else 0.0)
         if ratio > limit:
             reasons.append(f"{name} ratio {ratio:.3g} > {limit:g} "
                            f"(opforge {ours:.3g}, peer {theirs:.3g})")
