@@ -4,6 +4,7 @@ step, nothing in a healthy run, hooks harmless and removed."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -169,9 +170,19 @@ def test_tensor_stats_match_hand_computed_values():
 
     x = torch.tensor([[1.0, -2.0], [3.0, 70000.0]])
     fast = dict(zip(STATS, tensor_stats(x).tolist()))
-    assert (fast["min"], fast["max"]) == (-2.0, 70000.0)
-    assert fast["mean"] == pytest.approx((1 - 2 + 3 + 70000) / 4)
+    assert len(fast) == 2
     assert fast["norm"] == pytest.approx(float(x.norm()))
+    assert fast["max_abs"] == fast["norm"]            # float32: the norm bounds max |x|
+    half = dict(zip(STATS, tensor_stats(torch.tensor([1.0, -3000.0, 2.0]).half()).tolist()))
+    assert half["max_abs"] == 3000.0
+    assert half["norm"] == pytest.approx(math.sqrt(1 + 3000.0**2 + 4))
+    full = dict(zip(STATS, tensor_stats(x, detailed=True).tolist()))
+    assert (full["min"], full["max"]) == (-2.0, 70000.0)
+    assert full["mean"] == pytest.approx((1 - 2 + 3 + 70000) / 4)
+    # NaN and Inf propagate into the norm, so the fast pair sees them.
+    assert math.isinf(tensor_stats(torch.tensor([1.0, float("inf")]))[0])
+    assert math.isinf(tensor_stats(torch.tensor([float("inf"), float("-inf"), 1.0]))[0])
+    assert math.isnan(tensor_stats(torch.tensor([1.0, float("nan")]))[0])
     x[0, 0] = float("nan")
     x[0, 1] = float("inf")
     full = dict(zip(STATS, tensor_stats(x, detailed=True).tolist()))
@@ -193,7 +204,7 @@ def test_internal_failure_never_reaches_the_training_loop(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("statistics bug")
 
-    monkeypatch.setattr("opforge.precision.monitor.tensor_stats", broken)
+    monkeypatch.setattr("opforge.precision.monitor._stat_scalars", broken)
     model = _model()
     with caplog.at_level("ERROR", logger="opforge"), Monitor(model) as mon:
         _train(model, mon, 3)

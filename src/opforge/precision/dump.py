@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from opforge.precision.metrics import Metrics, compare_tensors
-from opforge.precision.monitor import FAST_STATS, _rank, _tensors, hook_modules, tensor_stats
+from opforge.precision.monitor import _rank, _tensors, hook_modules
 from opforge.precision.standards import THRESHOLDS
 
 MODES = ("statistics", "tensor")
@@ -58,10 +58,19 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
+def summary_stats(tensor: torch.Tensor) -> torch.Tensor:
+    """(min, max, mean, norm) of ``tensor`` as a float32 vector on its device, without a
+    synchronisation. All four propagate NaN and Inf (the mean of +Inf and -Inf is NaN)."""
+    flat = tensor.detach().reshape(-1)
+    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    return torch.stack([wide.amin(), wide.amax(), wide.sum() / wide.numel(),
+                        torch.dot(wide, wide).sqrt()]).float()
+
+
 def _step_statistics(row: Sequence[float]) -> dict[str, float]:
-    """Manifest statistics from `monitor.tensor_stats`'s min/max/mean/norm, which propagate
-    NaN and Inf: ``nan``/``inf`` say whether the tensor held any."""
-    lowest, highest, mean, norm = row[:FAST_STATS]
+    """Manifest statistics from `summary_stats`: ``nan``/``inf`` say whether the tensor
+    held any."""
+    lowest, highest, mean, norm = row
     has_nan = math.isnan(lowest) or math.isnan(highest)
     has_inf = not has_nan and (math.isinf(lowest) or math.isinf(highest))
     return {"min": lowest, "max": highest, "mean": mean, "norm": norm,
@@ -145,7 +154,7 @@ class Dump:
         self._entries.append({"key": key, "module": module, "call": call, "phase": phase,
                               "io": io, "index": index, "shape": list(tensor.shape),
                               "dtype": str(tensor.dtype).removeprefix("torch.")})
-        self._stats.append(tensor_stats(tensor))
+        self._stats.append(summary_stats(tensor))
         if self.mode == "tensor":
             self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
 

@@ -9,9 +9,10 @@
 
 Forward hooks record statistics of every module's input and output tensors; tensor hooks on
 the inputs record the gradients each module's backward produces (module full-backward hooks
-would break in-place operations downstream). Statistics (min, max, mean, L2 norm; with
-``detailed=True`` also NaN and Inf counts and the shares of values near the float16/bfloat16
-overflow and underflow limits) stay on the device until `Monitor.step`, which moves all of
+would break in-place operations downstream). Statistics (the L2 norm, and max |x| of
+float16/bfloat16 tensors; with ``detailed=True`` also min, max, mean, NaN and Inf counts and
+the shares of values near the float16/bfloat16 overflow and underflow limits) stay on the
+device until `Monitor.step`, which moves all of
 the step's records to the host in one transfer. Records keep their execution order, so the
 first record of a step that holds a NaN is where the NaN appeared — the origin — and that is
 the module an alert names.
@@ -40,12 +41,12 @@ import torch
 
 logger = logging.getLogger("opforge")
 
-# Columns of one statistics record. The first four come from reductions that propagate
-# NaN and Inf (amin, amax, sum, dot), which is all a step needs to see that something went
-# wrong; the counts and shares take several passes over each tensor and are computed only
-# with ``detailed=True``.
-STATS = ("min", "max", "mean", "norm", "nan", "inf", "near_overflow", "near_underflow")
-FAST_STATS = 4
+# Columns of one statistics record. The first two are all the alert rules need and cost
+# one pass over a float32 tensor (a dot product); the others take several passes and are
+# computed only with ``detailed=True``.
+STATS = ("norm", "max_abs", "min", "max", "mean", "nan", "inf", "near_overflow",
+         "near_underflow")
+FAST_STATS = 2
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -86,34 +87,48 @@ def _limits(dtype: torch.dtype) -> torch.finfo:
     return torch.finfo(dtype if dtype in _LOW_PRECISION else torch.float16)
 
 
-def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
-    """The `STATS` of ``tensor`` as a float32 vector on its device (no synchronisation):
-    the first four, or all eight with ``detailed``.
-
-    min/max/mean/norm are over all values, so a NaN or Inf shows in them. With
-    ``detailed``, also the NaN and Inf counts, the share of finite values above half the
-    largest finite value of the low-precision dtype (the tensor's own, float16 otherwise)
-    and the share of nonzero values below its smallest normal.
-    """
-    values = tensor.detach()
-    if values.dtype != torch.float32:
-        values = values.float()
-    flat = values.reshape(-1)
-    count = flat.numel()
-    lowest, highest = flat.amin(), flat.amax()
-    # A dot product is the cheapest sum of squares (one BLAS pass).
-    fast = [lowest, highest, flat.sum() / count, torch.dot(flat, flat).sqrt()]
+def _stat_scalars(tensor: torch.Tensor, detailed: bool) -> list[torch.Tensor]:
+    """The `STATS` of ``tensor`` as float32 0-d tensors on its device, the first as the sum
+    of squares: its square root is taken on the host, which saves a device op per record."""
+    flat = tensor.detach().reshape(-1)
+    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    squares = torch.dot(wide, wide).float()
+    if flat.dtype in _LOW_PRECISION:
+        lowest, highest = torch.aminmax(flat)
+        max_abs = torch.maximum(lowest.abs(), highest.abs()).float()
+    else:
+        max_abs = squares
     if not detailed:
-        return torch.stack(fast)
+        return [squares, max_abs]
     limits = _limits(tensor.dtype)
-    magnitude = flat.abs()
-    return torch.stack([
-        *fast,
+    magnitude = wide.abs()
+    count = flat.numel()
+    return [
+        squares, max_abs, wide.amin().float(), wide.amax().float(),
+        (wide.sum() / count).float(),
         flat.isnan().sum().float(),
         flat.isinf().sum().float(),
         ((magnitude > limits.max / 2) & magnitude.isfinite()).sum().float() / count,
         ((magnitude > 0) & (magnitude < limits.tiny)).sum().float() / count,
-    ])
+    ]
+
+
+def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
+    """The `STATS` of ``tensor`` as a float32 vector on its device (no synchronisation):
+    the first two, or all nine with ``detailed``.
+
+    ``norm`` is sqrt(x . x), one dot product: NaN when the tensor holds a NaN, Inf when it
+    holds an Inf or a finite value whose square overflows (|x| > 1.8e19 in float32).
+    ``max_abs`` is max |x| for float16/bfloat16 tensors, whose overflow rule needs it; for
+    wider dtypes it repeats the norm, an upper bound, rather than pay a second pass. With
+    ``detailed``: min, max, mean, the NaN and Inf counts, the share of finite values above
+    half the largest finite value of the low-precision dtype (the tensor's own, float16
+    otherwise) and the share of nonzero values below its smallest normal.
+    """
+    squares, max_abs, *rest = _stat_scalars(tensor, detailed)
+    if max_abs is squares:
+        max_abs = squares.sqrt()
+    return torch.stack([squares.sqrt(), max_abs, *rest])
 
 
 @dataclass
@@ -122,7 +137,7 @@ class _Record:
     phase: str
     io: str
     dtype: torch.dtype
-    stats: torch.Tensor
+    stats: list[torch.Tensor]
 
 
 class Monitor:
@@ -210,7 +225,7 @@ class Monitor:
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             stats = seen[2]
         else:
-            stats = tensor_stats(tensor, self.detailed)
+            stats = _stat_scalars(tensor, self.detailed)
             self._recorded[id(tensor)] = (weakref.ref(tensor), tensor._version, stats)
         self._records.append(_Record(module, phase, io, tensor.dtype, stats))
 
@@ -265,7 +280,7 @@ class Monitor:
         rows: list[list[float]] = []
         norm_value: float | None = None
         if records or grad_norm is not None:
-            parts = [torch.stack([r.stats for r in records]).reshape(-1)] if records else []
+            parts = [torch.stack([s for r in records for s in r.stats])] if records else []
             if grad_norm is not None:
                 parts.append(grad_norm.reshape(1).to(parts[0].device if parts else
                                                      grad_norm.device))
@@ -273,6 +288,10 @@ class Monitor:
             flat = torch.cat(parts).cpu().tolist()
             width = len(STATS) if self.detailed else FAST_STATS
             rows = [flat[i * width:(i + 1) * width] for i in range(len(records))]
+            for row, record in zip(rows, records):
+                row[0] = math.sqrt(row[0]) if row[0] >= 0 else row[0]   # NaN stays NaN
+                if record.stats[1] is record.stats[0]:
+                    row[1] = row[0]
             norm_value = flat[-1] if grad_norm is not None else None
         self._anomalies(records, rows)
         if norm_value is not None:
@@ -288,18 +307,16 @@ class Monitor:
         spike: tuple[_Record, float, float] | None = None
         for record, row in zip(records, rows):
             low = record.dtype in _LOW_PRECISION
-            lowest, highest = row[stat["min"]], row[stat["max"]]
+            norm, max_abs = row[stat["norm"]], row[stat["max_abs"]]
             detailed = self.detailed
-            # amin/amax propagate NaN; the sum is NaN for +inf and -inf together as well.
-            if math.isnan(lowest) or math.isnan(highest):
+            if math.isnan(norm) or math.isnan(max_abs):
                 first.setdefault("nan", (record, row[stat["nan"]] if detailed else 1.0))
-            elif math.isinf(lowest) or math.isinf(highest):
-                first.setdefault("overflow" if low else "inf",
-                                 (record, row[stat["inf"]] if detailed else 1.0))
-            elif low and max(abs(lowest), abs(highest)) > _limits(record.dtype).max / 2:
-                first.setdefault("overflow", (record, max(abs(lowest), abs(highest))))
+            elif low and (math.isinf(max_abs) or max_abs > _limits(record.dtype).max / 2):
+                first.setdefault("overflow", (record, row[stat["inf"]] if detailed
+                                              and math.isinf(max_abs) else max_abs))
+            elif not low and math.isinf(norm):
+                first.setdefault("inf", (record, row[stat["inf"]] if detailed else 1.0))
             key = (record.module, record.phase, record.io)
-            norm = row[stat["norm"]]
             mean = self._means.get(key)
             seen = self._seen.get(key, 0)
             if (spike is None and mean is not None and seen >= self.warmup
