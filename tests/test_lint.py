@@ -81,11 +81,12 @@ def test_storage_dtypes_convert_through_the_exact_helpers(path):
                          ids=lambda p: p.name)
 def test_operator_module_order(path):
     source = path.read_text()
-    opdef = re.search(r"^[A-Z_]+ = (OpDef|elementwise_op)\(", source, re.MULTILINE)
-    markers = [".reference\n", "@triton.jit", '.launcher("triton")', ".autograd(",
-               "register_op("]
-    positions = [opdef.start() if opdef else -1] + [source.find(m) for m in markers]
-    markers = ["OpDef", *markers]
+    opdef = re.search(r"^[A-Z_]+ = (OpDef|elementwise_op|_\w*opdef)\(", source, re.MULTILINE)
+    reference = re.search(r"\.reference(\n|\()", source)
+    markers = ["@triton.jit", '.launcher("triton")', ".autograd(", "register_op("]
+    positions = [opdef.start() if opdef else -1, reference.start() if reference else -1]
+    positions += [source.find(m) for m in markers]
+    markers = ["OpDef", "reference", *markers]
     assert all(p >= 0 for p in positions), dict(zip(markers, positions, strict=True))
     assert positions == sorted(positions), "order: OpDef, reference, kernels, launcher, " \
                                            "backward, registration"

@@ -30,7 +30,14 @@ from opforge.core.plan import (
     workspace_stats,
 )
 from opforge.core.registry import get_op, list_ops
-from opforge.functional import broadcast_add, gelu, reduce_sum, sigmoid
+from opforge.functional import (
+    broadcast_add,
+    gelu,
+    log_softmax,
+    reduce_sum,
+    sigmoid,
+    softmax,
+)
 
 __version__ = "0.1.0"
 
@@ -54,12 +61,14 @@ __all__ = [
     "gelu",
     "get_op",
     "list_ops",
+    "log_softmax",
     "plan",
     "profile_for",
     "reduce_sum",
     "set_plan_cache",
     "set_poison",
     "sigmoid",
+    "softmax",
     "use_backend",
     "use_hardware",
     "workspace_stats",

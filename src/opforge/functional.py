@@ -13,7 +13,8 @@ import torch
 import opforge.ops.broadcast_add
 import opforge.ops.gelu
 import opforge.ops.reduce_sum
-import opforge.ops.sigmoid  # noqa: F401 - importing the modules registers the operators
+import opforge.ops.sigmoid
+import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
 
 
 def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -69,3 +70,27 @@ def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
         dims = [dims]
     return torch.ops.opforge.reduce_sum(x, None if dims is None else list(dims), keepdim,
                                         scale)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` over ``dim``, like ``torch.softmax``: the row
+    max is subtracted and the statistics are float32, so no input overflows; rows of only
+    ``-inf`` give NaN, as in torch. Same shape and dtype as ``x``; long rows (up to 2^31
+    columns) use the online multi-block variant.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+        AttrError: ``dim`` is out of range for ``x``.
+    """
+    return torch.ops.opforge.softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x - max - log(sum(exp(x - max)))`` over ``dim``, like ``torch.log_softmax``;
+    same shape and dtype as ``x``, float32 statistics.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+        AttrError: ``dim`` is out of range for ``x``.
+    """
+    return torch.ops.opforge.log_softmax(x, dim)

@@ -242,19 +242,24 @@ class KnownLimitation:
     """Verification cases known to miss their precision standard, and why.
 
     ``case``, ``backend`` and ``dtype`` are `fnmatch` patterns over the case name (sweep
-    cases are named ``<kind>_<shape>``), the backend and the dtype name. A matching case
-    that misses its standard is reported as ``known`` with ``reason``, never silently.
+    cases are named ``<kind>_<shape>``), the backend and the dtype name; ``failures`` is
+    one over the standard's reasons (``"eb ratio*"``): the limitation covers a case only
+    when every reason it failed for matches. A covered case that misses its standard is
+    reported as ``known`` with ``reason``, never silently.
     """
 
     reason: str
     case: str = "*"
     backend: str = "*"
     dtype: str = "*"
+    failures: str = "*"
 
-    def matches(self, case: str, backend: str, dtype: str) -> bool:
+    def matches(self, case: str, backend: str, dtype: str,
+                failures: Sequence[str] = ()) -> bool:
         return (fnmatch.fnmatchcase(case, self.case)
                 and fnmatch.fnmatchcase(backend, self.backend)
-                and fnmatch.fnmatchcase(dtype, self.dtype))
+                and fnmatch.fnmatchcase(dtype, self.dtype)
+                and all(fnmatch.fnmatchcase(f, self.failures) for f in failures))
 
 
 @dataclass(frozen=True)
@@ -280,10 +285,11 @@ class PrecisionSpec:
     sweep: Callable[..., list[Case]] | None = None
     known_limitations: tuple[KnownLimitation, ...] = ()
 
-    def limitation(self, case: str, backend: str, dtype: str) -> KnownLimitation | None:
-        """The first known limitation covering the case, if any."""
+    def limitation(self, case: str, backend: str, dtype: str,
+                   failures: Sequence[str] = ()) -> KnownLimitation | None:
+        """The first known limitation covering the case and its failure reasons, if any."""
         return next((known for known in self.known_limitations
-                     if known.matches(case, backend, dtype)), None)
+                     if known.matches(case, backend, dtype, failures)), None)
 
 
 Specs = Sequence["TensorSpec | None"]

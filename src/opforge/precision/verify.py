@@ -208,7 +208,7 @@ def judge_case(opdef: OpDef, case: Case, backend: str, dtype: torch.dtype) -> Ca
             result.peer_max_eps = max(_or_zero(result.peer_max_eps), theirs.max_eps)
     result.status = ("pass", "warning", "fail")[severity]
     if result.status == "fail":
-        known = spec.limitation(case.name, backend, result.dtype)
+        known = spec.limitation(case.name, backend, result.dtype, result.reasons)
         if known is not None:
             result.status, result.detail = "known", known.reason
         elif worst is not None and worst.worst:
@@ -361,10 +361,11 @@ def render_markdown(results: Sequence[CaseResult], meta: dict[str, object],
     for opdef in ops:
         for limit in opdef.precision.known_limitations:
             hits = [r for r in results if r.op == opdef.name and r.status == "known"
-                    and limit.matches(r.case, r.backend, r.dtype)]
+                    and limit.matches(r.case, r.backend, r.dtype, r.reasons)]
             known_lines.append(
                 f"- **{opdef.name}** (case `{limit.case}`, backend `{limit.backend}`, dtype "
-                f"`{limit.dtype}`): {limit.reason} — {len(hits)} case(s) here"
+                f"`{limit.dtype}`, failures `{limit.failures}`): {limit.reason} — "
+                f"{len(hits)} case(s) here"
                 + (": " + ", ".join(f"{r.case}/{r.backend}/{r.dtype}" for r in hits[:6])
                    + (" ..." if len(hits) > 6 else "") if hits else "."))
     lines += known_lines or ["None."]

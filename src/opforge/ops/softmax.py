@@ -1,0 +1,639 @@
+"""Softmax and LogSoftmax over one dim, and their gradients.
+
+``softmax(x, dim) = exp(x - max) / sum(exp(x - max))`` and ``log_softmax(x, dim) =
+x - max - log(sum(exp(x - max)))``, as ``torch.softmax``/``torch.log_softmax`` and CANN's
+SoftmaxV2/LogSoftmaxV2: the row max is subtracted, so no ``exp`` overflows, and the
+statistics (max, sum) are float32 whatever the storage dtype. Rows that are entirely
+``-inf`` give NaN, as torch does (0/0); a NaN anywhere in a row makes the row NaN.
+
+The rows are the other dims flattened; ``dim`` is moved last (a copy unless it already is,
+or the tensor is 2-D). Two variants, chosen by the tiling from the row length and the
+`HardwareProfile`:
+
+``rows``   a row fits on chip: each program loads ``BLOCK_M`` whole rows once, reduces and
+           writes (one read, one write).
+``split``  long rows (up to 2^31 columns): each row is cut into ``splits`` chunks of
+           ``BLOCK_N``-column blocks. Pass 1 keeps a running (max, sum) per chunk,
+           rescaling the sum whenever the max grows (the online softmax), and writes it to
+           the workspace; pass 2 merges a row's chunk statistics in a fixed order and
+           writes the chunk's outputs (two reads, one write). Splitting a row over several
+           programs keeps the device busy when there are few rows.
+
+The gradients take the forward output ``y``: ``softmax_backward(grad, y, dim) =
+y * (grad - sum(grad * y))`` and ``log_softmax_backward(grad, y, dim) =
+grad - exp(y) * sum(grad)``, with the row sums in float32 and the same two variants (the
+split one reduces per-chunk partial sums through the workspace, deterministically).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    AutocastPolicy,
+    Case,
+    Cost,
+    KnownLimitation,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank, normalize_dim
+from opforge.core.tiling import MAX_PROGRAMS, PROGRAMS_PER_CORE, cdiv, next_power_of_2
+from opforge.library import register_op
+from opforge.ops._elementwise import INT32_LIMIT, random_input, same_dtype, same_shape_pair
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+DIM = Attr("dim", "int", -1, doc="the dim to normalise over")
+# Elements of one block of the split variant, and of a rows-variant tile of short rows.
+SPLIT_BLOCK = 4096
+ROWS_TILE = 4096
+# Chunk statistics of one row are merged as one block: at most this many chunks.
+MAX_SPLITS = 1024
+
+
+def _dim(inputs: Specs, attrs: Attrs, op: str) -> int:
+    return normalize_dim(attrs["dim"], max(len(inputs[0].shape), 1), op=op, param="dim")
+
+
+def _rows_and_cols(spec: object, dim: int) -> tuple[int, int]:
+    shape = tuple(spec.shape) or (1,)
+    cols = shape[dim]
+    return (math.prod(shape) // cols if cols else 0), cols
+
+
+def _check(op: str, paired: bool = False) -> Callable[[Specs, Attrs], None]:
+    """The dim is in range; a gradient has its forward output's shape."""
+    same_shape = same_shape_pair(op, ("grad", "y"))
+
+    def check(inputs: Specs, attrs: Attrs) -> None:
+        if paired:
+            same_shape(inputs, attrs)
+        if not is_unknown_rank(inputs[0].shape):
+            _dim(inputs, attrs, op)
+    return check
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    shape = inputs[0].shape
+    return [UNKNOWN_RANK if is_unknown_rank(shape) else tuple(shape)]
+
+
+def _cost(exps_per_element: int, reads: int) -> Callable[..., object]:
+    def cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+        count = outputs[0].numel
+        read = sum(spec.numel * spec.itemsize for spec in inputs[:reads])
+        return Cost(flops=(4 + exps_per_element) * count,
+                    bytes_moved=read + count * outputs[0].itemsize)
+    return cost
+
+
+def _tiling(op: str, streams: int) -> Callable[..., object]:
+    """Candidates: the rows variant when a row fits on chip, else the split variant.
+    ``streams``: tensors a program holds per element (inputs read plus the float32
+    working copy)."""
+    def tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+               ) -> list[Tiling]:
+        x = inputs[0]
+        dim = _dim(inputs, attrs, op)
+        rows, cols = _rows_and_cols(x, dim)
+        per_element = streams * x.itemsize + 4
+        block_n = next_power_of_2(max(cols, 1))
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
+        candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                             block_m * block_n * per_element, double_buffered=False)]
+        block = min(SPLIT_BLOCK, hardware.max_tile_elements, block_n)
+        while block >= 16:
+            chunks = cdiv(cols, block)
+            target = hardware.core_count * PROGRAMS_PER_CORE
+            splits = max(1, min(chunks, MAX_SPLITS, cdiv(target, max(rows, 1))))
+            candidates.append(Tiling("split", {"BLOCK_N": block}, block * per_element,
+                                     options={"splits": splits}))
+            block //= 2
+        return candidates
+    return tiling
+
+
+def _grid(op: str) -> Callable[..., object]:
+    def grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+             hardware: HardwareProfile) -> tuple[int, ...]:
+        rows, cols = _rows_and_cols(inputs[0], _dim(inputs, attrs, op))
+        if tiling.variant == "rows":
+            return (max(1, min(cdiv(rows, tiling.blocks["BLOCK_M"]), MAX_PROGRAMS)),)
+        splits = max(1, min(tiling.options["splits"], cdiv(cols, tiling.blocks["BLOCK_N"])))
+        return (max(1, min(rows, MAX_PROGRAMS // splits)), splits)
+    return grid
+
+
+def _workspace(op: str, per_chunk: int) -> Callable[..., object]:
+    def workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> int:
+        if tiling.variant == "rows":
+            return 0
+        rows, _ = _rows_and_cols(inputs[0], _dim(inputs, attrs, op))
+        return 4 * per_chunk * rows * grid[1]
+    return workspace
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int, scale: float = 3.0) -> torch.Tensor:
+        return random_input(shape, dtype, device, generator, scale=scale)
+
+    big = float(min(1e4, torch.finfo(dtype).max / 8))
+    mixed = x(7, 1000, scale=1.0)
+    mixed[:, 0::2] += big
+    mixed[:, 1::2] -= big
+    masked = x(5, 33)
+    masked[0] = float("-inf")
+    masked[1, 10:] = float("-inf")
+    special = torch.tensor([[0.0, 1.0, float("inf"), 2.0], [1.0, float("nan"), 0.0, -1.0],
+                            [float("-inf")] * 4, [3.0, float("-inf"), 3.0, 3.0]])
+    return [
+        Case("rows_63x1000", (x(63, 1000),), {}),
+        Case("around_1e4", (x(7, 1000, scale=1.0) + big,), {}),
+        Case("mixed_+-1e4", (mixed,), {}),
+        Case("masked_rows", (masked,), {}),
+        Case("special", (special.to(dtype=dtype, device=device),), {}),
+        Case("dim0_33x17", (x(33, 17),), {"dim": 0}),
+        Case("middle_dim_4x7x33", (x(4, 7, 33),), {"dim": 1}),
+        Case("transposed", (x(33, 17).t(),), {}),
+        Case("long_row_70000", (x(2, 70000),), {}),
+        Case("one_column", (x(9, 1),), {}),
+        Case("scalar", (x(),), {}),
+        Case("zero_size", (x(0, 5),), {}),
+    ]
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """Over the last dim and, for 2-D and up, the first."""
+    x = generate(kind, shape, dtype, device=device, generator=generator)
+    cases = [Case("last", (x,), {})]
+    if x.ndim > 1:
+        cases.append(Case("first", (x,), {"dim": 0}))
+    return cases
+
+
+def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                      ) -> list[Case]:
+    def pair(*shape: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = random_input(shape, dtype, device, generator, scale=1.0)
+        logits = random_input(shape, torch.float32, device, generator)
+        return grad, torch.softmax(logits, dim).to(dtype)
+
+    return [Case("rows_63x1000", pair(63, 1000)), Case("dim0_33x17", pair(33, 17, dim=0),
+                                                       {"dim": 0}),
+            Case("long_row_70000", pair(2, 70000)), Case("zero_size", pair(0, 5))]
+
+
+def _log_backward_samples(dtype: torch.dtype, device: torch.device,
+                          generator: torch.Generator) -> list[Case]:
+    return [Case(case.name, (case.inputs[0], case.inputs[1].float().log().to(dtype)),
+                 case.attrs)
+            for case in _backward_samples(dtype, device, generator)]
+
+
+def _backward_sweep(log: bool) -> Callable[..., object]:
+    def sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              generator: torch.Generator) -> list[Case]:
+        """The gradient drawn from the kind; y the (log-)softmax of a draw of the kind."""
+        grad = generate(kind, shape, dtype, device=device, generator=generator)
+        logits = generate(kind, shape, torch.float64, device=device, generator=generator)
+        y = (torch.log_softmax if log else torch.softmax)(logits, -1).to(dtype)
+        return [Case("", (grad, y))]
+    return sweep
+
+
+def _softmax_scale(log: bool) -> Callable[..., object]:
+    def scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+              golden: torch.Tensor) -> torch.Tensor:
+        """Rounding z = x - max and the sum at float32 moves y by eps |z| relative
+        (softmax), or by eps (|z| + |log sum| + 1) absolute (log_softmax: the sum's own
+        rounding is an absolute error of eps in its log)."""
+        x = inputs[0]
+        if x.ndim == 0:
+            return golden.abs()
+        dim = normalize_dim(attrs["dim"], x.ndim)
+        shifted = x - x.amax(dim, keepdim=True)
+        if log:
+            log_sum = (shifted - golden).abs()
+            return (golden.abs() + shifted.abs() + log_sum + 1.0).nan_to_num(0.0, 0.0, 0.0)
+        return golden.abs() * (1.0 + shifted.abs().nan_to_num(0.0, 0.0, 0.0))
+    return scale
+
+
+def _gradient_scale(log: bool) -> Callable[..., object]:
+    def scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+              golden: torch.Tensor) -> torch.Tensor:
+        """The row sum cancels: its float32 error is eps sum|terms|, which reaches dx as
+        y eps (|grad| + sum|grad y|) (softmax) or eps (|grad| + exp(y) sum|grad|)."""
+        grad, y = inputs[0], inputs[1]
+        if y.ndim == 0:
+            return golden.abs()
+        dim = normalize_dim(attrs["dim"], y.ndim)
+        if log:
+            spread = grad.abs() + torch.exp(y) * grad.abs().sum(dim, keepdim=True)
+        else:
+            spread = y.abs() * (grad.abs() + (grad * y).abs().sum(dim, keepdim=True))
+        return golden.abs() + spread.nan_to_num(0.0, 0.0, 0.0)
+    return scale
+
+
+def _torch_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.softmax"""
+    return torch.softmax(x, dim)
+
+
+def _torch_log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.log_softmax"""
+    return torch.log_softmax(x, dim)
+
+
+def _torch_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.ops.aten._softmax_backward_data"""
+    return torch.ops.aten._softmax_backward_data(grad, y, dim, y.dtype)
+
+
+def _torch_log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int
+                                ) -> torch.Tensor:
+    """torch.ops.aten._log_softmax_backward_data"""
+    return torch.ops.aten._log_softmax_backward_data(grad, y, dim, y.dtype)
+
+
+SHARED_DENOMINATOR = KnownLimitation(
+    "Every float32 output of a row is divided by the same rounded sum, so a row's errors "
+    "lean the way that sum was rounded: the error balance of a few rows reflects which way "
+    "their sums happened to round, for opforge and torch alike (errors stay within a few "
+    "ulp; max eps in the table).", dtype="float32", failures="eb ratio*")
+
+
+def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor]) -> OpDef:
+    return OpDef(
+        name=name, doc=doc, inputs=(TensorArg("x"),), outputs=(OutputArg("out"),),
+        attrs=(DIM,), infer_shape=_infer_shape, infer_dtype=same_dtype, check=_check(name),
+        cost=_cost(1, 1), tiling=_tiling(name, 1), grid=_grid(name),
+        workspace=_workspace(name, 2), samples=_samples, autocast=AutocastPolicy.FP32,
+        error_scale=_softmax_scale(log),
+        precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep,
+                                known_limitations=() if log else (SHARED_DENOMINATOR,)))
+
+
+def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
+                    samples: Callable[..., list[Case]]) -> OpDef:
+    return OpDef(
+        name=name, doc=doc, inputs=(TensorArg("grad"), TensorArg("y")),
+        outputs=(OutputArg("grad_x"),), attrs=(DIM,), infer_shape=_infer_shape,
+        infer_dtype=same_dtype,
+        check=_check(name, paired=True),
+        cost=_cost(int(log), 2), tiling=_tiling(name, 2), grid=_grid(name),
+        workspace=_workspace(name, 1), samples=samples, error_scale=_gradient_scale(log),
+        precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_backward_sweep(log)))
+
+
+SOFTMAX = _forward_opdef("softmax", False, "exp(x - max) / sum(exp(x - max)) over dim, "
+                         "float32 statistics.", _torch_softmax)
+LOG_SOFTMAX = _forward_opdef("log_softmax", True, "x - max - log(sum(exp(x - max))) over "
+                             "dim, float32 statistics.", _torch_log_softmax)
+SOFTMAX_BACKWARD = _backward_opdef("softmax_backward", False,
+                                   "y * (grad - sum(grad * y)) from the softmax output y.",
+                                   _torch_softmax_backward, _backward_samples)
+LOG_SOFTMAX_BACKWARD = _backward_opdef("log_softmax_backward", True,
+                                       "grad - exp(y) * sum(grad) from the log_softmax "
+                                       "output y.", _torch_log_softmax_backward,
+                                       _log_backward_samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+
+
+def _reference(log: bool) -> Callable[..., object]:
+    def reference(x: torch.Tensor, *, compute_dtype: torch.dtype, dim: int) -> torch.Tensor:
+        """``torch.(log_)softmax`` in ``compute_dtype``."""
+        wide = x.to(compute_dtype)
+        return (torch.log_softmax if log else torch.softmax)(wide, dim)
+    return reference
+
+
+def _backward_reference(log: bool) -> Callable[..., object]:
+    def reference(grad: torch.Tensor, y: torch.Tensor, *, compute_dtype: torch.dtype,
+                  dim: int) -> torch.Tensor:
+        """The gradient formula in ``compute_dtype``."""
+        grad, y = grad.to(compute_dtype), y.to(compute_dtype)
+        if y.ndim == 0:
+            return grad - torch.exp(y) * grad if log else y * (grad - grad * y)
+        if log:
+            return grad - torch.exp(y) * grad.sum(dim, keepdim=True)
+        return y * (grad - (grad * y).sum(dim, keepdim=True))
+    return reference
+
+
+SOFTMAX.reference(_reference(False))
+LOG_SOFTMAX.reference(_reference(True))
+SOFTMAX_BACKWARD.reference(_backward_reference(False))
+LOG_SOFTMAX_BACKWARD.reference(_backward_reference(True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+    @triton.jit
+    def _safe(m):
+        # A row (or chunk) of only -inf has max -inf: subtract 0 instead, so that its
+        # exponentials are 0 rather than exp(-inf + inf) = NaN; the final 0/0 then gives
+        # the NaN torch gives for such rows.
+        return tl.where(m == float("-inf"), 0.0, m)
+
+    @triton.jit
+    def _softmax_rows_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_xn,
+                             LOG: tl.constexpr, WIDE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            mask = (rows < M)[:, None] & col_mask[None, :]
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                              mask=mask, other=float("-inf")))
+            shift = _safe(tl.max(x, axis=1))
+            z = x - shift[:, None]
+            e = tl.exp(z)
+            total = tl.sum(tl.where(mask, e, 0.0), axis=1)
+            if LOG:
+                y = z - tl.log(total)[:, None]
+            else:
+                y = e / total[:, None]
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], rounded_for(y, out_ptr),
+                     mask=mask)
+
+    @triton.jit
+    def _softmax_chunk_stats_kernel(x_ptr, partial_ptr, M, N, stride_xm, stride_xn,
+                                    blocks_per_split, WIDE: tl.constexpr,
+                                    BLOCK_N: tl.constexpr):
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), M, tl.num_programs(0)):
+            if WIDE:
+                row = row.to(tl.int64)
+            running_max = float("-inf")
+            running_sum = 0.0
+            first = split * blocks_per_split
+            for block in range(first, first + blocks_per_split):
+                offsets = block * BLOCK_N + cols
+                if WIDE:
+                    offsets = offsets.to(tl.int64)
+                x = widen(tl.load(x_ptr + row * stride_xm + offsets * stride_xn,
+                                  mask=offsets < N, other=float("-inf")))
+                new_max = tl.maximum(running_max, tl.max(x, axis=0))
+                shift = _safe(new_max)
+                # The online softmax: the sum so far was taken against the old max.
+                running_sum = (running_sum * tl.exp(running_max - shift)
+                               + tl.sum(tl.exp(x - shift), axis=0))
+                running_max = new_max
+            slot = (row * splits + split) * 2
+            tl.store(partial_ptr + slot, running_max)
+            tl.store(partial_ptr + slot + 1, running_sum)
+
+    @triton.jit
+    def _merged_stats(partial_ptr, row, splits, SPLITS_BLOCK: tl.constexpr):
+        """(shift, total) of a row from its chunks' (max, sum), merged in a fixed order."""
+        index = tl.arange(0, SPLITS_BLOCK)
+        present = index < splits
+        row_partials = partial_ptr + (row * splits + index) * 2
+        maxima = tl.load(row_partials, mask=present, other=float("-inf"))
+        sums = tl.load(row_partials + 1, mask=present, other=0.0)
+        shift = _safe(tl.max(maxima, axis=0))
+        total = tl.sum(sums * tl.exp(maxima - shift), axis=0)
+        return shift, total
+
+    @triton.jit
+    def _softmax_chunk_write_kernel(x_ptr, out_ptr, partial_ptr, M, N, stride_xm, stride_xn,
+                                    blocks_per_split, LOG: tl.constexpr,
+                                    WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    SPLITS_BLOCK: tl.constexpr):
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), M, tl.num_programs(0)):
+            if WIDE:
+                row = row.to(tl.int64)
+            shift, total = _merged_stats(partial_ptr, row, splits, SPLITS_BLOCK)
+            log_total = tl.log(total)
+            first = split * blocks_per_split
+            for block in range(first, first + blocks_per_split):
+                offsets = block * BLOCK_N + cols
+                if WIDE:
+                    offsets = offsets.to(tl.int64)
+                mask = offsets < N
+                x = widen(tl.load(x_ptr + row * stride_xm + offsets * stride_xn, mask=mask,
+                                  other=float("-inf")))
+                if LOG:
+                    y = (x - shift) - log_total
+                else:
+                    y = tl.exp(x - shift) / total
+                tl.store(out_ptr + row * N + offsets, rounded_for(y, out_ptr), mask=mask)
+
+    @triton.jit
+    def _row_term(grad, y, LOG: tl.constexpr):
+        # What the backward sums over a row: grad * y (softmax) or grad (log_softmax).
+        if LOG:
+            return grad
+        else:
+            return grad * y
+
+    @triton.jit
+    def _grad_input(grad, y, total, LOG: tl.constexpr):
+        if LOG:
+            return grad - tl.exp(y) * total
+        else:
+            return y * (grad - total)
+
+    @triton.jit
+    def _softmax_backward_rows_kernel(grad_ptr, y_ptr, out_ptr, M, N, stride_gm, stride_gn,
+                                      stride_ym, stride_yn, LOG: tl.constexpr,
+                                      WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            mask = (rows < M)[:, None] & col_mask[None, :]
+            grad = widen(tl.load(grad_ptr + rows[:, None] * stride_gm
+                                 + cols[None, :] * stride_gn, mask=mask, other=0.0))
+            y = widen(tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn,
+                              mask=mask, other=0.0))
+            total = tl.sum(_row_term(grad, y, LOG), axis=1)
+            dx = _grad_input(grad, y, total[:, None], LOG)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], rounded_for(dx, out_ptr),
+                     mask=mask)
+
+    @triton.jit
+    def _softmax_backward_chunk_sums_kernel(grad_ptr, y_ptr, partial_ptr, M, N, stride_gm,
+                                            stride_gn, stride_ym, stride_yn,
+                                            blocks_per_split, LOG: tl.constexpr,
+                                            WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), M, tl.num_programs(0)):
+            if WIDE:
+                row = row.to(tl.int64)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            first = split * blocks_per_split
+            for block in range(first, first + blocks_per_split):
+                offsets = block * BLOCK_N + cols
+                if WIDE:
+                    offsets = offsets.to(tl.int64)
+                mask = offsets < N
+                grad = widen(tl.load(grad_ptr + row * stride_gm + offsets * stride_gn,
+                                     mask=mask, other=0.0))
+                y = widen(tl.load(y_ptr + row * stride_ym + offsets * stride_yn, mask=mask,
+                                  other=0.0))
+                acc += _row_term(grad, y, LOG)
+            tl.store(partial_ptr + row * splits + split, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _softmax_backward_chunk_write_kernel(grad_ptr, y_ptr, out_ptr, partial_ptr, M, N,
+                                             stride_gm, stride_gn, stride_ym, stride_yn,
+                                             blocks_per_split, LOG: tl.constexpr,
+                                             WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                             SPLITS_BLOCK: tl.constexpr):
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        cols = tl.arange(0, BLOCK_N)
+        index = tl.arange(0, SPLITS_BLOCK)
+        for row in range(tl.program_id(0), M, tl.num_programs(0)):
+            if WIDE:
+                row = row.to(tl.int64)
+            total = tl.sum(tl.load(partial_ptr + row * splits + index, mask=index < splits,
+                                   other=0.0), axis=0)
+            first = split * blocks_per_split
+            for block in range(first, first + blocks_per_split):
+                offsets = block * BLOCK_N + cols
+                if WIDE:
+                    offsets = offsets.to(tl.int64)
+                mask = offsets < N
+                grad = widen(tl.load(grad_ptr + row * stride_gm + offsets * stride_gn,
+                                     mask=mask, other=0.0))
+                y = widen(tl.load(y_ptr + row * stride_ym + offsets * stride_yn, mask=mask,
+                                  other=0.0))
+                dx = _grad_input(grad, y, total, LOG)
+                tl.store(out_ptr + row * N + offsets, rounded_for(dx, out_ptr), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _as_rows(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor`` as ``(rows, cols)`` with ``dim`` last: a view when the layout allows."""
+    if tensor.ndim == 0:
+        return tensor.reshape(1, 1)
+    moved = tensor.movedim(dim, -1)
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def _launch(plan: object, inputs: Sequence[torch.Tensor], out: torch.Tensor,
+            workspace: torch.Tensor | None, log: bool, backward: bool) -> None:
+    """Both variants of both directions: ``inputs`` is ``(x,)`` or ``(grad, y)``."""
+    dim = normalize_dim(plan.attrs["dim"], max(out.ndim, 1))
+    matrices = [_as_rows(t, dim) for t in inputs]
+    rows, cols = matrices[0].shape
+    # The kernels write contiguous rows: straight into ``out`` when dim is its last, else
+    # into a buffer of the moved shape that is copied back.
+    direct = out.ndim <= 1 or (dim == out.ndim - 1 and out.is_contiguous())
+    moved = out if direct else torch.empty(out.movedim(dim, -1).shape, dtype=out.dtype,
+                                           device=out.device)
+    flat = moved.view(rows, cols)
+    strides = [s for m in matrices for s in m.stride()]
+    reach = max((rows - 1) * abs(m.stride(0)) + (cols - 1) * abs(m.stride(1)) + 1
+                for m in matrices)
+    wide = max(reach, rows * cols) > INT32_LIMIT
+    tiling, grid = plan.tiling, plan.grid
+    if tiling.variant == "rows":
+        kernel = _softmax_backward_rows_kernel if backward else _softmax_rows_kernel
+        kernel[grid](*matrices, flat, rows, cols, *strides, LOG=log, WIDE=wide,
+                     **tiling.blocks)
+    else:
+        splits = grid[1]
+        blocks_per_split = cdiv(cdiv(cols, tiling.blocks["BLOCK_N"]), splits)
+        partials = workspace.view(torch.float32)
+        common = {"WIDE": wide, **tiling.blocks}
+        if backward:
+            _softmax_backward_chunk_sums_kernel[grid](
+                *matrices, partials, rows, cols, *strides, blocks_per_split, LOG=log,
+                **common)
+            _softmax_backward_chunk_write_kernel[grid](
+                *matrices, flat, partials, rows, cols, *strides, blocks_per_split, LOG=log,
+                SPLITS_BLOCK=next_power_of_2(splits), **common)
+        else:
+            _softmax_chunk_stats_kernel[grid](*matrices, partials, rows, cols, *strides,
+                                              blocks_per_split, **common)
+            _softmax_chunk_write_kernel[grid](*matrices, flat, partials, rows, cols, *strides,
+                                              blocks_per_split, LOG=log,
+                                              SPLITS_BLOCK=next_power_of_2(splits), **common)
+    if not direct:
+        out.copy_(moved.movedim(-1, dim))
+
+
+for _opdef, _log, _backward in ((SOFTMAX, False, False), (LOG_SOFTMAX, True, False),
+                                (SOFTMAX_BACKWARD, False, True),
+                                (LOG_SOFTMAX_BACKWARD, True, True)):
+    def _launcher(plan: object, inputs: Sequence[torch.Tensor | None],
+                  outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None,
+                  log: bool = _log, backward: bool = _backward) -> None:
+        _launch(plan, inputs, outputs[0], workspace, log, backward)
+    _opdef.launcher("triton")(_launcher)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(output)
+    ctx.dim = inputs[1]
+
+
+@SOFTMAX.autograd(_setup_context)
+def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """dx = y * (grad - sum(grad * y)), through `softmax_backward`."""
+    (y,) = ctx.saved_tensors
+    return torch.ops.opforge.softmax_backward(grad, y, ctx.dim), None
+
+
+@LOG_SOFTMAX.autograd(_setup_context)
+def log_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """dx = grad - exp(y) * sum(grad), through `log_softmax_backward`."""
+    (y,) = ctx.saved_tensors
+    return torch.ops.opforge.log_softmax_backward(grad, y, ctx.dim), None
+
+
+register_op(SOFTMAX_BACKWARD)
+register_op(LOG_SOFTMAX_BACKWARD)
+register_op(SOFTMAX)
+register_op(LOG_SOFTMAX)
