@@ -40,14 +40,20 @@ _POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: 
                   torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 
+# Launch keywords that are compile options rather than kernel arguments.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
 @dataclass
 class KernelVariant:
-    """One compiled specialisation of a kernel: its argument types and constexpr values."""
+    """One compiled specialisation of a kernel: its argument types, constexpr values and
+    GPU launch options (``num_warps``)."""
 
     kernel: Any
     signature: dict[str, str]
     constexprs: dict[str, Any]
     ops: set[str] = field(default_factory=set)
+    options: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -57,7 +63,8 @@ class KernelVariant:
         """Pointer dtypes and constexprs, e.g. ``*bf16,*bf16 NDIM=2 FN=_gelu_erf``."""
         pointers = ",".join(t for t in self.signature.values() if t.startswith("*"))
         consts = " ".join(f"{k}={_constexpr_text(v)}" for k, v in self.constexprs.items())
-        return f"{pointers} {consts}".strip()
+        options = " ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{pointers} {consts} {options}".strip()
 
 
 def _constexpr_text(value: Any) -> str:
@@ -107,6 +114,7 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
     current: list[str] = []
 
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         bound = dict(zip((p.name for p in self.params), args))
         bound.update(kwargs)
         signature, constexprs = {}, {}
@@ -118,8 +126,10 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
             else:
                 signature[param.name] = _arg_type(value)
         key = (self, tuple(signature.items()),
-               tuple((k, id(v) if callable(v) else v) for k, v in constexprs.items()))
-        variant = variants.setdefault(key, KernelVariant(self, signature, constexprs))
+               tuple((k, id(v) if callable(v) else v) for k, v in constexprs.items()),
+               tuple(options.items()))
+        variant = variants.setdefault(key, KernelVariant(self, signature, constexprs,
+                                                         options=options))
         variant.ops.add(current[-1])
 
     # The launch path checks that CPU tensors may run Triton kernels; recording needs that
@@ -146,7 +156,7 @@ def _wide_twin(variant: KernelVariant) -> KernelVariant:
     would take gigabytes), so it is compiled from the recorded variant."""
     signature = {k: "i64" if t == "i32" else t for k, t in variant.signature.items()}
     return KernelVariant(variant.kernel, signature, {**variant.constexprs, "WIDE": True},
-                         set(variant.ops))
+                         set(variant.ops), dict(variant.options))
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -193,7 +203,7 @@ def compile_variants(variants: Iterable[KernelVariant], target: Any) -> list[Com
         try:
             source = ASTSource(fn=variant.kernel, signature=variant.signature,
                                constexprs=variant.constexprs)
-            compiled = triton.compile(source, target=target)
+            compiled = triton.compile(source, target=target, options=variant.options)
         except Exception as error:
             message = str(error).strip().splitlines()
             results.append(CompileResult(variant, False, time.perf_counter() - start,

@@ -26,3 +26,20 @@ def persistent_grid(tiles: int, hardware: HardwareProfile) -> int:
     """Programs for ``tiles`` units of work: each program loops over
     ``range(pid, tiles, num_programs)``; at least 1 so that a grid is never empty."""
     return max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS))
+
+
+def gpu_warps(elements: int, hardware: HardwareProfile) -> int | None:
+    """Warps for a program that keeps ``elements`` values live, on a CUDA GPU: about 16
+    values a thread, from 4 to 32 warps (fewer warps spill registers on wide rows). ``None``
+    elsewhere: triton-ascend has no warps and the interpreter ignores them."""
+    if hardware.device_type != "cuda":
+        return None
+    return max(4, min(32, next_power_of_2(elements) // 512))
+
+
+def launch_options(tiling: object) -> dict[str, int]:
+    """The GPU-only launch options of a tiling: ``num_warps`` from its ``warps`` option,
+    which `gpu_warps` sets for CUDA profiles only, so that kernels planned for other
+    devices never receive them (the interpreter ignores them)."""
+    warps = getattr(tiling, "options", {}).get("warps")
+    return {} if warps is None else {"num_warps": warps}

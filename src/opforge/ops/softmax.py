@@ -48,7 +48,14 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank, normalize_dim
-from opforge.core.tiling import MAX_PROGRAMS, PROGRAMS_PER_CORE, cdiv, next_power_of_2
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    PROGRAMS_PER_CORE,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+)
 from opforge.library import register_op
 from opforge.ops._elementwise import INT32_LIMIT, random_input, same_dtype, same_shape_pair
 from opforge.precision.cases import generate
@@ -118,14 +125,16 @@ def _tiling(op: str, streams: int) -> Callable[..., object]:
         block_n = next_power_of_2(max(cols, 1))
         block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
         candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
-                             block_m * block_n * per_element, double_buffered=False)]
+                             block_m * block_n * per_element, double_buffered=False,
+                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
         block = min(SPLIT_BLOCK, hardware.max_tile_elements, block_n)
         while block >= 16:
             chunks = cdiv(cols, block)
             target = hardware.core_count * PROGRAMS_PER_CORE
             splits = max(1, min(chunks, MAX_SPLITS, cdiv(target, max(rows, 1))))
             candidates.append(Tiling("split", {"BLOCK_N": block}, block * per_element,
-                                     options={"splits": splits}))
+                                     options={"splits": splits,
+                                              "warps": gpu_warps(block, hardware)}))
             block //= 2
         return candidates
     return tiling
@@ -175,6 +184,7 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
         Case("dim0_33x17", (x(33, 17),), {"dim": 0}),
         Case("middle_dim_4x7x33", (x(4, 7, 33),), {"dim": 1}),
         Case("transposed", (x(33, 17).t(),), {}),
+        Case("wide_rows_3x8192", (x(3, 8192),), {}),
         Case("long_row_70000", (x(2, 70000),), {}),
         Case("one_column", (x(9, 1),), {}),
         Case("scalar", (x(),), {}),
@@ -229,7 +239,7 @@ def _softmax_scale(log: bool) -> Callable[..., object]:
         (softmax), or by eps (|z| + |log sum| + 1) absolute (log_softmax: the sum's own
         rounding is an absolute error of eps in its log)."""
         x = inputs[0]
-        if x.ndim == 0:
+        if x.ndim == 0 or not x.numel():
             return golden.abs()
         dim = normalize_dim(attrs["dim"], x.ndim)
         shifted = x - x.amax(dim, keepdim=True)
@@ -246,7 +256,7 @@ def _gradient_scale(log: bool) -> Callable[..., object]:
         """The row sum cancels: its float32 error is eps sum|terms|, which reaches dx as
         y eps (|grad| + sum|grad y|) (softmax) or eps (|grad| + exp(y) sum|grad|)."""
         grad, y = inputs[0], inputs[1]
-        if y.ndim == 0:
+        if y.ndim == 0 or not y.numel():
             return golden.abs()
         dim = normalize_dim(attrs["dim"], y.ndim)
         if log:
@@ -278,11 +288,17 @@ def _torch_log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int
     return torch.ops.aten._log_softmax_backward_data(grad, y, dim, y.dtype)
 
 
-SHARED_DENOMINATOR = KnownLimitation(
-    "Every float32 output of a row is divided by the same rounded sum, so a row's errors "
-    "lean the way that sum was rounded: the error balance of a few rows reflects which way "
-    "their sums happened to round, for opforge and torch alike (errors stay within a few "
-    "ulp; max eps in the table).", dtype="float32", failures="eb ratio*")
+SHARED_ROW_STATISTIC = KnownLimitation(
+    "Every output of a row is computed from one rounded row statistic (the sum, its log, or "
+    "the gradient's row sum), so a row's errors lean the way that statistic was rounded, "
+    "and rows of equal inputs round all their outputs the same way: the error balance of "
+    "a few rows says which way their statistics happened to round, for opforge and torch "
+    "alike. The errors themselves stay within the max eps bound of the test suite.",
+    failures="eb ratio*")
+OVERFLOWING_ROW_SUM = KnownLimitation(
+    "The gradient's row sum is accumulated in float32: gradients near the float32 maximum "
+    "overflow it to Inf although the exact sum is finite (torch's kernel accumulates in "
+    "float32 too).", case="large_*", failures="*NaN/Inf*")
 
 
 def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor]) -> OpDef:
@@ -293,7 +309,7 @@ def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Ten
         workspace=_workspace(name, 2), samples=_samples, autocast=AutocastPolicy.FP32,
         error_scale=_softmax_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep,
-                                known_limitations=() if log else (SHARED_DENOMINATOR,)))
+                                known_limitations=(SHARED_ROW_STATISTIC,)))
 
 
 def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
@@ -305,7 +321,9 @@ def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Te
         check=_check(name, paired=True),
         cost=_cost(int(log), 2), tiling=_tiling(name, 2), grid=_grid(name),
         workspace=_workspace(name, 1), samples=samples, error_scale=_gradient_scale(log),
-        precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_backward_sweep(log)))
+        precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_backward_sweep(log),
+                                known_limitations=(SHARED_ROW_STATISTIC,
+                                                   OVERFLOWING_ROW_SUM)))
 
 
 SOFTMAX = _forward_opdef("softmax", False, "exp(x - max) / sum(exp(x - max)) over dim, "
@@ -577,12 +595,12 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor], out: torch.Tensor,
     if tiling.variant == "rows":
         kernel = _softmax_backward_rows_kernel if backward else _softmax_rows_kernel
         kernel[grid](*matrices, flat, rows, cols, *strides, LOG=log, WIDE=wide,
-                     **tiling.blocks)
+                     **tiling.blocks, **launch_options(tiling))
     else:
         splits = grid[1]
         blocks_per_split = cdiv(cdiv(cols, tiling.blocks["BLOCK_N"]), splits)
         partials = workspace.view(torch.float32)
-        common = {"WIDE": wide, **tiling.blocks}
+        common = {"WIDE": wide, **tiling.blocks, **launch_options(tiling)}
         if backward:
             _softmax_backward_chunk_sums_kernel[grid](
                 *matrices, partials, rows, cols, *strides, blocks_per_split, LOG=log,
