@@ -1,6 +1,7 @@
 """GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
 
-For a bias add ``(M, N) + (N,)``, GELU and sigmoid in bfloat16 at large sizes, this script
+For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax and log_softmax (last dim) in
+bfloat16 at large sizes, this script
 
 1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
 2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
@@ -9,10 +10,12 @@ For a bias add ``(M, N) + (N,)``, GELU and sigmoid in bfloat16 at large sizes, t
 3. reports achieved bandwidth, bytes read + written / time, and its fraction of the measured
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
-4. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
+4. times softmax and log_softmax forward + backward against torch eager, torch.compile and
+   Liger-Kernel (when installed);
+5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
-   run of the same plan (for ``broadcast_add`` and for a split ``reduce_sum``, whose
-   partial sums live in the workspace).
+   run of the same plan (for ``broadcast_add``, a split ``reduce_sum`` and a long-row
+   ``softmax``, whose partial results live in the workspace).
 
 Usage (on the GPU machine, from the repository root)::
 
@@ -47,6 +50,8 @@ BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-5
 # A split reduce_sum for the graph check: few output columns and many rows make tiling split
 # the reduced axis across programs, which needs a workspace for the partial sums.
 REDUCE_SHAPE = (16384, 512)
+# Rows too long for one program: the split softmax keeps chunk statistics in the workspace.
+LONG_SOFTMAX_SHAPE = (4, 1 << 20)
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -117,9 +122,26 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
 
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+def _log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x, -1)
+
+
+def _liger_softmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Liger-Kernel's softmax (last dim) when the package is installed, else None."""
+    try:
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+    except ImportError:
+        return None
+    return LigerSoftmaxFunction.apply
+
+
 def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                generator: torch.Generator) -> list[OpCase]:
-    """The three operators at ``shape``, with random normal inputs on ``device``."""
+    """The operators at ``shape``, with random normal inputs on ``device``."""
     m, n = shape
     item = torch.empty((), dtype=dtype).element_size()
     x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
@@ -132,7 +154,50 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
         OpCase("gelu", shape, (x,), {"approximate": GELU_APPROXIMATE},
                lambda t: opforge.gelu(t, GELU_APPROXIMATE), _gelu, elementwise_bytes),
         OpCase("sigmoid", shape, (x,), {}, opforge.sigmoid, _sigmoid, elementwise_bytes),
+        OpCase("softmax", shape, (x,), {}, opforge.softmax, _softmax, elementwise_bytes),
+        OpCase("log_softmax", shape, (x,), {}, opforge.log_softmax, _log_softmax,
+               elementwise_bytes),
     ]
+
+
+def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                          copy_gb_s: float, compile_peers: bool, warmup_ms: int,
+                          rep_ms: int) -> list[Row]:
+    """Forward + backward of softmax and log_softmax (``autograd.grad`` of the output with
+    a fixed upstream gradient): opforge, torch eager, torch.compile and, when installed,
+    Liger-Kernel. Bytes: the forward reads x and writes y, the backward reads y and the
+    gradient and writes dx."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    upstream = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    moved = 5 * x.numel() * x.element_size()
+    rows = []
+    for op, ours, eager in (("softmax", opforge.softmax, _softmax),
+                            ("log_softmax", opforge.log_softmax, _log_softmax)):
+        impls = [("opforge", ours), ("torch eager", eager)]
+        if compile_peers:
+            impls.append(("torch.compile", torch.compile(eager, dynamic=False)))
+        liger = _liger_softmax() if op == "softmax" else None
+        if liger is not None:
+            impls.append(("Liger-Kernel", liger))
+        for name, function in impls:
+            leaf = x.detach().requires_grad_()
+
+            def step(function=function, leaf=leaf) -> Any:
+                return torch.autograd.grad(function(leaf), leaf, upstream)
+
+            try:
+                step()
+                torch.cuda.synchronize()
+                us = bench_us(step, warmup_ms, rep_ms)
+            except Exception as error:
+                rows.append(_error_row("time", f"{op} fwd+bwd", _shape_text(shape),
+                                       _dtype_text(dtype), name, error))
+                continue
+            gb_s = bandwidth(moved, us)
+            rows.append(Row("time", f"{op} fwd+bwd", _shape_text(shape), _dtype_text(dtype),
+                            name, us, moved, gb_s, gb_s / copy_gb_s))
+    return rows
 
 
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -274,15 +339,19 @@ def graph_check(op: str, inputs: Tensors, attrs: dict[str, Any],
 
 def graph_checks(dtype: torch.dtype, device: torch.device, warmup_ms: int, rep_ms: int
                  ) -> list[Row]:
-    """Graph checks of a bias add (no workspace) and a split reduce_sum (workspace)."""
+    """Graph checks of a bias add (no workspace), a split reduce_sum and a long-row split
+    softmax (both with a workspace)."""
     generator = torch.Generator(device=device).manual_seed(0)
     m, n = REDUCE_SHAPE
     a = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
     b = torch.randn(n, generator=generator, device=device, dtype=dtype)
     x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
+    long_rows = torch.randn(LONG_SOFTMAX_SHAPE, generator=generator, device=device,
+                            dtype=dtype)
     cases = [
         ("broadcast_add", (a, b), {"alpha": ALPHA}, _bias_add),
         ("reduce_sum", (x,), {"dims": (0,)}, lambda t: t.sum(0)),
+        ("softmax", (long_rows,), {}, _softmax),
     ]
     rows = []
     for op, inputs, attrs, reference in cases:
@@ -415,6 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for row in new_rows:
                 _print_row(row)
             rows += new_rows
+        for row in forward_backward_rows(shape, dtype, device, copy_gb_s,
+                                         not args.no_compile, args.warmup_ms, args.rep_ms):
+            _print_row(row)
+            rows.append(row)
         torch.cuda.empty_cache()
     for row in graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
         _print_row(row)

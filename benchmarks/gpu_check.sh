@@ -54,7 +54,7 @@ cat "$OUT/env.txt"
 record env "$rc" "$start"
 
 step verify "${VERIFY_TIMEOUT:-150}" "$PYTHON" -m opforge verify --device cuda \
-  --report "$OUT/verify"
+  --cases samples --report "$OUT/verify"
 step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT"
 step replay "${REPLAY_TIMEOUT:-120}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
 
