@@ -1,7 +1,7 @@
 """GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
 
-For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax and log_softmax (last dim) in
-bfloat16 at large sizes, this script
+For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax and rms_norm (last
+dim) in bfloat16 at large sizes, this script
 
 1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
 2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
@@ -10,8 +10,8 @@ bfloat16 at large sizes, this script
 3. reports achieved bandwidth, bytes read + written / time, and its fraction of the measured
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
-4. times softmax and log_softmax forward + backward against torch eager, torch.compile and
-   Liger-Kernel (when installed);
+4. times softmax, log_softmax and rms_norm forward + backward against torch eager,
+   torch.compile and Liger-Kernel (when installed);
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
    run of the same plan (for ``broadcast_add``, a split ``reduce_sum`` and a long-row
@@ -130,13 +130,21 @@ def _log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, -1)
 
 
-def _liger_softmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Liger-Kernel's softmax (last dim) when the package is installed, else None."""
+RMS_EPS = 1e-6
+
+
+def _liger(op: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Liger-Kernel's ``op`` (last dim) when the package is installed, else None."""
     try:
-        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+        if op == "softmax":
+            from liger_kernel.ops.softmax import LigerSoftmaxFunction
+            return LigerSoftmaxFunction.apply
+        if op == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            return lambda x: LigerRMSNormFunction.apply(x, weight, RMS_EPS)
     except ImportError:
         return None
-    return LigerSoftmaxFunction.apply
+    return None
 
 
 def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
@@ -146,6 +154,7 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
     item = torch.empty((), dtype=dtype).element_size()
     x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
     bias = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    weight = torch.randn(n, generator=generator, device=device, dtype=dtype)
     elementwise_bytes = 2 * m * n * item
     return [
         OpCase("broadcast_add", shape, (x, bias), {"alpha": ALPHA},
@@ -157,27 +166,35 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
         OpCase("softmax", shape, (x,), {}, opforge.softmax, _softmax, elementwise_bytes),
         OpCase("log_softmax", shape, (x,), {}, opforge.log_softmax, _log_softmax,
                elementwise_bytes),
+        OpCase("rms_norm", shape, (x, weight), {"eps": RMS_EPS},
+               lambda t, w: opforge.rms_norm(t, w, RMS_EPS),
+               lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS),
+               elementwise_bytes + n * item),
     ]
 
 
 def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                           copy_gb_s: float, compile_peers: bool, warmup_ms: int,
                           rep_ms: int) -> list[Row]:
-    """Forward + backward of softmax and log_softmax (``autograd.grad`` of the output with
-    a fixed upstream gradient): opforge, torch eager, torch.compile and, when installed,
-    Liger-Kernel. Bytes: the forward reads x and writes y, the backward reads y and the
-    gradient and writes dx."""
+    """Forward + backward of softmax, log_softmax and rms_norm (``autograd.grad`` of the
+    output with a fixed upstream gradient, with respect to x): opforge, torch eager,
+    torch.compile and, when installed, Liger-Kernel. Bytes: the forward reads x and writes
+    y, the backward reads two tensors of x's size and writes dx."""
     generator = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     upstream = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    weight = torch.randn(shape[-1], generator=generator, device=device, dtype=dtype)
     moved = 5 * x.numel() * x.element_size()
     rows = []
-    for op, ours, eager in (("softmax", opforge.softmax, _softmax),
-                            ("log_softmax", opforge.log_softmax, _log_softmax)):
+    for op, ours, eager in (
+            ("softmax", opforge.softmax, _softmax),
+            ("log_softmax", opforge.log_softmax, _log_softmax),
+            ("rms_norm", lambda t: opforge.rms_norm(t, weight, RMS_EPS),
+             lambda t: functional.rms_norm(t, t.shape[-1:], weight, RMS_EPS))):
         impls = [("opforge", ours), ("torch eager", eager)]
         if compile_peers:
             impls.append(("torch.compile", torch.compile(eager, dynamic=False)))
-        liger = _liger_softmax() if op == "softmax" else None
+        liger = _liger(op, weight)
         if liger is not None:
             impls.append(("Liger-Kernel", liger))
         for name, function in impls:
@@ -250,8 +267,9 @@ def implementations(case: OpCase, compiled: Callable[..., torch.Tensor] | None
     """(name, zero-argument call) for every implementation timed on ``case``."""
     inputs = case.inputs
     plan = opforge.plan(case.op, *inputs, **case.attrs)
-    out = torch.empty(plan.outputs[0].shape, dtype=plan.outputs[0].dtype,
-                      device=inputs[0].device)
+    outs = [torch.empty(spec.shape, dtype=spec.dtype, device=inputs[0].device)
+            for spec in plan.outputs]
+    out = outs[0] if len(outs) == 1 else outs
     impls: list[tuple[str, Callable[[], Any]]] = [
         ("opforge functional", lambda: case.opforge_fn(*inputs)),
         # Planned once, output preallocated: the host path is just the launch, which tells

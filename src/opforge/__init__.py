@@ -31,10 +31,12 @@ from opforge.core.plan import (
 )
 from opforge.core.registry import get_op, list_ops
 from opforge.functional import (
+    add_rms_norm,
     broadcast_add,
     gelu,
     log_softmax,
     reduce_sum,
+    rms_norm,
     sigmoid,
     softmax,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "TensorSpec",
     "Tiling",
     "UnsupportedError",
+    "add_rms_norm",
     "broadcast_add",
     "cache_stats",
     "calibrate",
@@ -65,6 +68,7 @@ __all__ = [
     "plan",
     "profile_for",
     "reduce_sum",
+    "rms_norm",
     "set_plan_cache",
     "set_poison",
     "sigmoid",

@@ -13,6 +13,7 @@ import torch
 import opforge.ops.broadcast_add
 import opforge.ops.gelu
 import opforge.ops.reduce_sum
+import opforge.ops.rms_norm
 import opforge.ops.sigmoid
 import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
 
@@ -94,3 +95,34 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         AttrError: ``dim`` is out of range for ``x``.
     """
     return torch.ops.opforge.log_softmax(x, dim)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, like
+    ``torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)``; statistics in float32,
+    output in ``x.dtype``. `opforge.compat.torch_npu.npu_rms_norm` also returns ``rstd``.
+
+    Args:
+        x: float32/float16/bfloat16/float64, any leading shape.
+        weight: ``[x.shape[-1]]`` of any float dtype, or ``None``.
+        eps: a finite number >= 0.
+
+    Raises:
+        ShapeError: ``weight`` is not 1-D of x's last dim. DtypeError: unsupported dtype.
+        AttrError: ``eps`` negative or not finite.
+    """
+    return torch.ops.opforge.rms_norm(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused residual add and RMSNorm: ``s = x + residual`` (float32, rounded once to
+    ``x.dtype``), returns ``(rms_norm(s, weight, eps), s)``, reading each input once.
+
+    Raises:
+        ShapeError: ``residual`` differs from ``x`` in shape, or a bad ``weight``.
+        DtypeError: unsupported dtype. AttrError: bad ``eps``.
+    """
+    y, _, total = torch.ops.opforge.add_rms_norm(x, residual, weight, eps)
+    return y, total

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from opforge import functional
+from opforge.core.errors import ShapeError
 
 
 class GELU(torch.nn.Module):
@@ -43,3 +46,42 @@ class Softmax(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+class RMSNorm(torch.nn.Module):
+    """``torch.nn.RMSNorm`` computed by `opforge.rms_norm`: same constructor, same
+    ``weight`` parameter and state_dict keys. ``normalized_shape`` may span several trailing
+    dims (they are normalised together); ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as
+    torch does."""
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
+                 elementwise_affine: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
+                                 else tuple(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device,
+                                                        dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = len(self.normalized_shape)
+        if tuple(x.shape[x.ndim - count:]) != self.normalized_shape:
+            raise ShapeError("trailing dims must equal normalized_shape", op="RMSNorm",
+                             param="x", expected=self.normalized_shape, got=tuple(x.shape))
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        rows = x.reshape(*x.shape[:x.ndim - count], -1)
+        weight = None if self.weight is None else self.weight.reshape(-1)
+        return functional.rms_norm(rows, weight, eps).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")

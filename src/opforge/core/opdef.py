@@ -243,23 +243,28 @@ class KnownLimitation:
 
     ``case``, ``backend`` and ``dtype`` are `fnmatch` patterns over the case name (sweep
     cases are named ``<kind>_<shape>``), the backend and the dtype name; ``failures`` is
-    one over the standard's reasons (``"eb ratio*"``): the limitation covers a case only
-    when every reason it failed for matches. A covered case that misses its standard is
-    reported as ``known`` with ``reason``, never silently.
+    one (or a tuple of them) over the standard's reasons (``"eb ratio*"``): the limitation
+    covers a case only when every reason it failed for matches one of them. A covered case
+    that misses its standard is reported as ``known`` with ``reason``, never silently.
     """
 
     reason: str
     case: str = "*"
     backend: str = "*"
     dtype: str = "*"
-    failures: str = "*"
+    failures: str | tuple[str, ...] = "*"
 
     def matches(self, case: str, backend: str, dtype: str,
                 failures: Sequence[str] = ()) -> bool:
         return (fnmatch.fnmatchcase(case, self.case)
                 and fnmatch.fnmatchcase(backend, self.backend)
                 and fnmatch.fnmatchcase(dtype, self.dtype)
-                and all(fnmatch.fnmatchcase(f, self.failures) for f in failures))
+                and all(any(fnmatch.fnmatchcase(f, pattern) for pattern in self.patterns)
+                        for f in failures))
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return (self.failures,) if isinstance(self.failures, str) else self.failures
 
 
 @dataclass(frozen=True)

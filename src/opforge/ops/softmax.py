@@ -39,7 +39,6 @@ from opforge.core.opdef import (
     AutocastPolicy,
     Case,
     Cost,
-    KnownLimitation,
     OpDef,
     OutputArg,
     PrecisionSpec,
@@ -58,6 +57,7 @@ from opforge.core.tiling import (
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import INT32_LIMIT, random_input, same_dtype, same_shape_pair
+from opforge.ops._rows import OVERFLOWING_ROW_SUM, SHARED_ROW_STATISTIC
 from opforge.precision.cases import generate
 
 try:
@@ -287,18 +287,6 @@ def _torch_log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int
     """torch.ops.aten._log_softmax_backward_data"""
     return torch.ops.aten._log_softmax_backward_data(grad, y, dim, y.dtype)
 
-
-SHARED_ROW_STATISTIC = KnownLimitation(
-    "Every output of a row is computed from one rounded row statistic (the sum, its log, or "
-    "the gradient's row sum), so a row's errors lean the way that statistic was rounded, "
-    "and rows of equal inputs round all their outputs the same way: the error balance of "
-    "a few rows says which way their statistics happened to round, for opforge and torch "
-    "alike. The errors themselves stay within the max eps bound of the test suite.",
-    failures="eb ratio*")
-OVERFLOWING_ROW_SUM = KnownLimitation(
-    "The gradient's row sum is accumulated in float32: gradients near the float32 maximum "
-    "overflow it to Inf although the exact sum is finite (torch's kernel accumulates in "
-    "float32 too).", case="large_*", failures="*NaN/Inf*")
 
 
 def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor]) -> OpDef:

@@ -363,7 +363,7 @@ def render_markdown(results: Sequence[CaseResult], meta: dict[str, object],
                     and limit.matches(r.case, r.backend, r.dtype, r.reasons)]
             known_lines.append(
                 f"- **{opdef.name}** (case `{limit.case}`, backend `{limit.backend}`, dtype "
-                f"`{limit.dtype}`, failures `{limit.failures}`): {limit.reason} — "
+                f"`{limit.dtype}`, failures `{' | '.join(limit.patterns)}`): {limit.reason} — "
                 f"{len(hits)} case(s) here"
                 + (": " + ", ".join(f"{r.case}/{r.backend}/{r.dtype}" for r in hits[:6])
                    + (" ..." if len(hits) > 6 else "") if hits else "."))

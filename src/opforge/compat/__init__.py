@@ -1,0 +1,1 @@
+"""Drop-in signatures of other libraries' operators, computed by opforge."""

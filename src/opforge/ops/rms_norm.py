@@ -1,0 +1,620 @@
+"""RMSNorm, the fused Add-RMSNorm, and their gradient, over the last dim.
+
+``rms_norm(x, weight, eps) -> (y, rstd)``: ``rstd = 1 / sqrt(mean(x^2) + eps)`` per row in
+float32 and ``y = x * rstd * weight`` (CANN's RmsNorm and ``torch_npu.npu_rms_norm``; torch's
+``F.rms_norm`` returns ``y`` alone, as `opforge.rms_norm` does). The squares are summed in
+float32, so float16 values near 65504 do not overflow (their squares reach 4.3e9).
+``add_rms_norm(x, residual, weight, eps) -> (y, rstd, x + residual)`` reads each input once
+and normalises the float32 sum (CANN's AddRmsNorm). ``weight`` may be ``None`` (no scale)
+and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 with ``x``'s
+leading shape.
+
+``rms_norm_backward(grad, x, rstd, weight) -> (grad_x, grad_weight)`` with
+``x_hat = x * rstd``, ``g = grad * weight``: ``grad_x = rstd * (g - x_hat * mean(g x_hat))``
+and ``grad_weight = sum over rows of grad * x_hat``, reduced from per-program float32
+partials in a fixed order (no atomics: deterministic). ``grad_weight`` is empty without
+``weight``.
+
+Variants: ``rows`` keeps ``BLOCK_M`` whole rows on chip (one read of each input);
+``looped`` handles rows longer than the chip holds, one row per program at a time, in
+``BLOCK_N`` blocks (a second read of the row).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from opforge.core.errors import ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    FLOAT_DTYPES,
+    Attr,
+    Attrs,
+    AutocastPolicy,
+    Case,
+    Cost,
+    KnownLimitation,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    PROGRAMS_PER_CORE,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+)
+from opforge.library import register_op
+from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops._rows import (
+    CANCELLING_GRADIENT,
+    OVERFLOWING_ROW_SUM,
+    SHARED_ROW_STATISTIC,
+)
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+EPS = Attr("eps", "float", 1e-6, range=(0.0, None), doc="added to mean(x^2)")
+ROWS_TILE = 4096
+LOOP_BLOCK = 4096
+
+
+def _rows_and_cols(spec: object) -> tuple[int, int]:
+    shape = tuple(spec.shape) or (1,)
+    cols = shape[-1]
+    return (math.prod(shape) // cols if cols else 0), cols
+
+
+def _check_weight(op: str, x: object, weight: object) -> None:
+    if weight is None or is_unknown_rank(x.shape):
+        return
+    if tuple(weight.shape) != (tuple(x.shape)[-1:] or (1,)):
+        raise ShapeError("must be 1-D with the size of x's last dim", op=op, param="weight",
+                         expected=tuple(x.shape)[-1:], got=tuple(weight.shape))
+
+
+def _check(op: str, paired: tuple[str, ...]) -> Callable[[Specs, Attrs], None]:
+    """``weight`` matches x's last dim; ``paired`` inputs have x's shape."""
+    def check(inputs: Specs, attrs: Attrs) -> None:
+        x = inputs[0]
+        for index, name in enumerate(paired, start=1):
+            other = inputs[index]
+            if tuple(other.shape) != tuple(x.shape):
+                raise ShapeError("must have the shape of the first input", op=op,
+                                 param=name, expected=tuple(x.shape), got=tuple(other.shape))
+        _check_weight(op, x, inputs[-1])
+    return check
+
+
+def _statistics_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(shape)[:-1]
+
+
+def _forward_shapes(residual: bool) -> Callable[[Specs, Attrs], list[tuple[int, ...]]]:
+    def infer(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+        shape = inputs[0].shape
+        if is_unknown_rank(shape):
+            return [UNKNOWN_RANK] * (3 if residual else 2)
+        shapes = [tuple(shape), _statistics_shape(shape)]
+        return [*shapes, tuple(shape)] if residual else shapes
+    return infer
+
+
+def _forward_dtypes(residual: bool) -> Callable[[Specs, Attrs], list[torch.dtype]]:
+    def infer(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+        dtype = inputs[0].dtype
+        return [dtype, torch.float32, dtype] if residual else [dtype, torch.float32]
+    return infer
+
+
+def _backward_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    shape, weight = inputs[0].shape, inputs[3]
+    if is_unknown_rank(shape):
+        return [UNKNOWN_RANK, (-1,)]
+    return [tuple(shape), tuple(weight.shape) if weight is not None else (0,)]
+
+
+def _backward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    weight = inputs[3]
+    return [inputs[0].dtype, weight.dtype if weight is not None else inputs[0].dtype]
+
+
+def _cost(reads: int, writes: int) -> Callable[[Specs, Specs, Attrs], Cost]:
+    def cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+        x = inputs[0]
+        moved = (reads * x.numel + writes * outputs[0].numel) * x.itemsize
+        return Cost(flops=4 * x.numel, bytes_moved=moved)
+    return cost
+
+
+def _tiling(streams: int) -> Callable[..., list[Tiling]]:
+    """``rows`` when ``BLOCK_M`` rows of ``streams`` tensors (plus float32 copies) fit on
+    chip, else ``looped``."""
+    def tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+               ) -> list[Tiling]:
+        x = inputs[0]
+        rows, cols = _rows_and_cols(x)
+        per_element = streams * (x.itemsize + 4)
+        block_n = next_power_of_2(max(cols, 1))
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
+        candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                             block_m * block_n * per_element, double_buffered=False,
+                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
+        block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
+        while block >= 16:
+            candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
+                                     block * per_element,
+                                     options={"warps": gpu_warps(block, hardware)}))
+            block //= 2
+        return candidates
+    return tiling
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    rows, _ = _rows_and_cols(inputs[0])
+    blocks = cdiv(rows, tiling.blocks["BLOCK_M"])
+    return (max(1, min(blocks, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
+
+
+def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                        attrs: Attrs) -> int:
+    """float32 grad_weight partials, one row per program."""
+    if inputs[3] is None:
+        return 0
+    _, cols = _rows_and_cols(inputs[0])
+    return 4 * grid[0] * cols
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int, scale: float = 3.0, of: torch.dtype = dtype) -> torch.Tensor:
+        return random_input(shape, of, device, generator, scale=scale)
+
+    near_max = (torch.rand(4, 1000, generator=generator) * 0.5 + 0.5) \
+        * torch.finfo(torch.float16).max
+    return [
+        Case("rows_63x1000", (x(63, 1000), x(1000, scale=1.0)), {}),
+        Case("no_weight", (x(7, 33), None), {"eps": 1e-5}),
+        Case("weight_fp32", (x(5, 129), x(129, scale=1.0, of=torch.float32)), {}),
+        Case("near_fp16_max", (near_max.to(dtype=dtype, device=device),
+                               x(1000, scale=1.0)), {}),
+        Case("tiny_eps_dominates", (x(3, 64, scale=1e-4), x(64)), {"eps": 1e-2}),
+        Case("rank3", (x(2, 3, 70), x(70)), {}),
+        Case("long_row_70000", (x(2, 70000), x(70000, scale=1.0)), {}),
+        Case("transposed", (x(33, 17).t(), x(33)), {}),
+        Case("zero_rows", (x(0, 8), x(8)), {}),
+    ]
+
+
+def _add_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                 ) -> list[Case]:
+    return [Case(case.name, (case.inputs[0], torch.flip(case.inputs[0], (0,)) * 0.5,
+                             case.inputs[1]), case.attrs)
+            for case in _samples(dtype, device, generator)]
+
+
+def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                      ) -> list[Case]:
+    cases = []
+    for case in _samples(dtype, device, generator):
+        x, weight = case.inputs
+        grad = random_input(tuple(x.shape), dtype, device, generator, scale=1.0)
+        eps = case.attrs.get("eps", EPS.default)
+        rstd = torch.rsqrt(x.float().square().mean(-1) + eps) if x.numel() else \
+            torch.empty(x.shape[:-1], device=device)
+        cases.append(Case(case.name, (grad, x, rstd, weight)))
+    return cases
+
+
+def _sweep(residual: bool) -> Callable[..., list[Case]]:
+    def sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              generator: torch.Generator) -> list[Case]:
+        """x (and the residual) drawn from the kind; a normal weight."""
+        x = generate(kind, shape, dtype, device=device, generator=generator)
+        weight = generate("normal", x.shape[-1:], dtype, device=device, generator=generator)
+        if residual:
+            other = generate(kind, shape, dtype, device=device, generator=generator)
+            return [Case("", (x, other, weight))]
+        return [Case("", (x, weight))]
+    return sweep
+
+
+def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device, generator: torch.Generator) -> list[Case]:
+    """grad and x drawn from the kind; rstd of x in float32; a normal weight."""
+    grad = generate(kind, shape, dtype, device=device, generator=generator)
+    x = generate(kind, shape, dtype, device=device, generator=generator)
+    weight = generate("normal", x.shape[-1:], dtype, device=device, generator=generator)
+    rstd = torch.rsqrt(x.double().square().mean(-1) + EPS.default).float() if x.numel() \
+        else torch.empty(x.shape[:-1], device=device)
+    return [Case("", (grad, x, rstd, weight))]
+
+
+def _norm_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                golden: torch.Tensor) -> torch.Tensor:
+    """|golden| for y, rstd and the sum; the backward's row sum cancels, so grad_x is judged
+    against rstd (|g| + |x_hat| mean|g x_hat|) and grad_weight against sum|grad x_hat|."""
+    if not opdef.name.endswith("backward") or not golden.numel():
+        return golden.abs()
+    grad, x, rstd, weight = inputs
+    x_hat = x * rstd.unsqueeze(-1)
+    if golden.shape == x.shape:
+        g = grad * (weight if weight is not None else 1.0)
+        return golden.abs() + rstd.unsqueeze(-1) * (
+            g.abs() + x_hat.abs() * (g * x_hat).abs().mean(-1, keepdim=True))
+    return (grad * x_hat).abs().reshape(-1, x.shape[-1]).sum(0)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.nn.functional.rms_norm"""
+    y = torch.nn.functional.rms_norm(x, x.shape[-1:], weight if weight is None
+                                     else weight.to(x.dtype), eps)
+    rstd = torch.rsqrt(x.float().square().mean(-1) + eps)
+    return y, rstd
+
+
+def _torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                        eps: float) -> tuple[torch.Tensor, ...]:
+    """x + residual, then torch.nn.functional.rms_norm"""
+    total = x + residual
+    return (*_torch_rms_norm(total, weight, eps), total)
+
+
+def _torch_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                             weight: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.autograd through torch.nn.functional.rms_norm"""
+    leaf = x.detach().requires_grad_()
+    params = [leaf]
+    scale = None
+    if weight is not None:
+        scale = weight.detach().to(x.dtype).requires_grad_()
+        params.append(scale)
+    with torch.enable_grad():
+        y = torch.nn.functional.rms_norm(leaf, x.shape[-1:], scale, eps)
+        grads = torch.autograd.grad(y, params, grad)
+    return grads[0], (grads[1].to(weight.dtype) if weight is not None
+                      else torch.empty(0, dtype=x.dtype, device=x.device))
+
+
+RMS_NORM = OpDef(
+    name="rms_norm", doc="x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps) in float32.",
+    inputs=(TensorArg("x"), TensorArg("weight", FLOAT_DTYPES, optional=True)),
+    outputs=(OutputArg("y"), OutputArg("rstd")), attrs=(EPS,),
+    infer_shape=_forward_shapes(False), infer_dtype=_forward_dtypes(False),
+    check=_check("rms_norm", ()), cost=_cost(1, 1), tiling=_tiling(1), grid=_grid,
+    samples=_samples, autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm, sweep=_sweep(False),
+                            known_limitations=(SHARED_ROW_STATISTIC,)))
+
+ADD_RMS_NORM = OpDef(
+    name="add_rms_norm", doc="s = x + residual; (s * rstd * weight, rstd, s), one read each.",
+    inputs=(TensorArg("x"), TensorArg("residual"),
+            TensorArg("weight", FLOAT_DTYPES, optional=True)),
+    outputs=(OutputArg("y"), OutputArg("rstd"), OutputArg("sum")), attrs=(EPS,),
+    infer_shape=_forward_shapes(True), infer_dtype=_forward_dtypes(True),
+    check=_check("add_rms_norm", ("residual",)), cost=_cost(2, 2), tiling=_tiling(2),
+    grid=_grid, samples=_add_samples, autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L2", _torch_add_rms_norm,
+                            sweep=_sweep(True), known_limitations=(SHARED_ROW_STATISTIC,)))
+
+RMS_NORM_BACKWARD = OpDef(
+    name="rms_norm_backward", doc="(grad_x, grad_weight) of rms_norm from its saved rstd.",
+    inputs=(TensorArg("grad"), TensorArg("x"), TensorArg("rstd", (torch.float32,)),
+            TensorArg("weight", FLOAT_DTYPES, optional=True)),
+    outputs=(OutputArg("grad_x"), OutputArg("grad_weight")), attrs=(EPS,),
+    infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
+    check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1), tiling=_tiling(2),
+    grid=_grid, workspace=_backward_workspace, samples=_backward_samples,
+    error_scale=_norm_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm_backward,
+                            sweep=_backward_sweep, known_limitations=(
+                                SHARED_ROW_STATISTIC, OVERFLOWING_ROW_SUM,
+                                KnownLimitation(CANCELLING_GRADIENT, failures=(
+                                    "max_rel ratio*", "small_value ratio*")))))
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+@RMS_NORM.reference
+def reference(x: torch.Tensor, weight: torch.Tensor | None, *, compute_dtype: torch.dtype,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) in ``compute_dtype``."""
+    wide = x.to(compute_dtype)
+    rstd = _rms(wide, eps) if wide.numel() else wide.sum(-1, keepdim=True)
+    y = wide * rstd * (1.0 if weight is None else weight.to(compute_dtype))
+    return y, rstd.squeeze(-1)
+
+
+@ADD_RMS_NORM.reference
+def add_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, *,
+                  compute_dtype: torch.dtype, eps: float) -> tuple[torch.Tensor, ...]:
+    """(y, rstd, x + residual) in ``compute_dtype``."""
+    total = x.to(compute_dtype) + residual.to(compute_dtype)
+    return (*reference(total, weight, compute_dtype=compute_dtype, eps=eps), total)
+
+
+@RMS_NORM_BACKWARD.reference
+def backward_reference(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                       weight: torch.Tensor | None, *, compute_dtype: torch.dtype,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) in ``compute_dtype`` from the saved rstd."""
+    grad, x = grad.to(compute_dtype), x.to(compute_dtype)
+    rstd = rstd.to(compute_dtype).unsqueeze(-1)
+    x_hat = x * rstd
+    g = grad * (1.0 if weight is None else weight.to(compute_dtype))
+    grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) if x.numel() else g
+    if weight is None:
+        return grad_x, torch.empty(0, dtype=compute_dtype, device=x.device)
+    return grad_x, (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, rstd_ptr, sum_ptr, M, N,
+                         stride_x, stride_r, eps, HAS_RESIDUAL: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr, LOOPED: tl.constexpr, WIDE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            row_mask = rows < M
+            if LOOPED:
+                squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    offsets = start + cols
+                    mask = row_mask[:, None] & (offsets < N)[None, :]
+                    s = widen(tl.load(x_ptr + rows[:, None] * stride_x + offsets[None, :],
+                                      mask=mask, other=0.0))
+                    if HAS_RESIDUAL:
+                        s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
+                                           + offsets[None, :], mask=mask, other=0.0))
+                        sums = sum_ptr + rows[:, None] * N + offsets[None, :]
+                        tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
+                    squares += tl.sum(s * s, axis=1)
+                rstd = 1.0 / tl.sqrt(squares / N + eps)
+                for start in range(0, N, BLOCK_N):
+                    offsets = start + cols
+                    mask = row_mask[:, None] & (offsets < N)[None, :]
+                    s = widen(tl.load(x_ptr + rows[:, None] * stride_x + offsets[None, :],
+                                      mask=mask, other=0.0))
+                    if HAS_RESIDUAL:
+                        s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
+                                           + offsets[None, :], mask=mask, other=0.0))
+                    y = s * rstd[:, None]
+                    if HAS_WEIGHT:
+                        y *= widen(tl.load(weight_ptr + offsets, mask=offsets < N,
+                                           other=0.0))[None, :]
+                    outs = y_ptr + rows[:, None] * N + offsets[None, :]
+                    tl.store(outs, rounded_for(y, y_ptr), mask=mask)
+            else:
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                s = widen(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                                  mask=mask, other=0.0))
+                if HAS_RESIDUAL:
+                    s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
+                                       + cols[None, :], mask=mask, other=0.0))
+                    sums = sum_ptr + rows[:, None] * N + cols[None, :]
+                    tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
+                rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
+                y = s * rstd[:, None]
+                if HAS_WEIGHT:
+                    y *= widen(tl.load(weight_ptr + cols, mask=cols < N, other=0.0))[None, :]
+                tl.store(y_ptr + rows[:, None] * N + cols[None, :], rounded_for(y, y_ptr),
+                         mask=mask)
+            tl.store(rstd_ptr + rows, rounded_for(rstd, rstd_ptr), mask=row_mask)
+
+    @triton.jit
+    def _grad_block(grad_ptr, x_ptr, weight_ptr, row, offsets, stride_g, stride_x, N,
+                    HAS_WEIGHT: tl.constexpr):
+        """(grad, x, grad * weight) of one block of a row, in float32."""
+        mask = offsets < N
+        grad = widen(tl.load(grad_ptr + row * stride_g + offsets, mask=mask, other=0.0))
+        x = widen(tl.load(x_ptr + row * stride_x + offsets, mask=mask, other=0.0))
+        if HAS_WEIGHT:
+            return grad, x, grad * widen(tl.load(weight_ptr + offsets, mask=mask, other=0.0))
+        else:
+            return grad, x, grad
+
+    @triton.jit
+    def _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row, offsets, N,
+                          HAS_WEIGHT: tl.constexpr):
+        """grad_x of the block, and its grad * x_hat added to the program's partials."""
+        mask = offsets < N
+        x_hat = x * rstd
+        dx = rstd * (grad_w - x_hat * mean)
+        tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=mask)
+        if HAS_WEIGHT:
+            acc = tl.load(partial_row + offsets, mask=mask, other=0.0)
+            tl.store(partial_row + offsets, acc + grad * x_hat, mask=mask)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(grad_ptr, x_ptr, rstd_ptr, weight_ptr, dx_ptr, partial_ptr,
+                                  M, N, stride_g, stride_x, HAS_WEIGHT: tl.constexpr,
+                                  LOOPED: tl.constexpr, WIDE: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):
+        # One row at a time; each program owns one row of grad_weight partials, so the
+        # final column sums need no atomics.
+        cols = tl.arange(0, BLOCK_N)
+        program = tl.program_id(0)
+        partial_row = partial_ptr + program * N
+        if HAS_WEIGHT:
+            for start in range(0, N, BLOCK_N):
+                offsets = start + cols
+                tl.store(partial_row + offsets, tl.zeros([BLOCK_N], dtype=tl.float32),
+                         mask=offsets < N)
+        for row in range(program, M, tl.num_programs(0)):
+            if WIDE:
+                row = row.to(tl.int64)
+            rstd = widen(tl.load(rstd_ptr + row))
+            if LOOPED:
+                dot = 0.0
+                for start in range(0, N, BLOCK_N):
+                    grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
+                                                  start + cols, stride_g, stride_x, N,
+                                                  HAS_WEIGHT)
+                    dot += tl.sum(grad_w * x, axis=0)
+                mean = dot * rstd / N
+                for start in range(0, N, BLOCK_N):
+                    grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
+                                                  start + cols, stride_g, stride_x, N,
+                                                  HAS_WEIGHT)
+                    _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row,
+                                      start + cols, N, HAS_WEIGHT)
+            else:
+                grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
+                                              stride_g, stride_x, N, HAS_WEIGHT)
+                mean = tl.sum(grad_w * x, axis=0) * rstd / N
+                _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row, cols,
+                                  N, HAS_WEIGHT)
+
+    @triton.jit
+    def _sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK: tl.constexpr):
+        # Column sums of the (P, N) partials in a fixed order: deterministic.
+        for block in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            offsets = block * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < N
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            for program in range(0, P):
+                total += tl.load(partial_ptr + program * N + offsets, mask=mask, other=0.0)
+            tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``(rows, N)`` with unit column stride: a view when possible, else a copy."""
+    matrix = tensor.reshape(-1, tensor.shape[-1] if tensor.ndim else 1)
+    return matrix if matrix.stride(-1) == 1 else matrix.contiguous()
+
+
+def _wide(rows: int, cols: int, *matrices: torch.Tensor) -> bool:
+    reach = max([rows * cols] + [(rows - 1) * m.stride(0) + cols for m in matrices])
+    return reach > INT32_LIMIT
+
+
+def _launch_forward(plan: object, inputs: Sequence[torch.Tensor | None],
+                    outputs: Sequence[torch.Tensor], residual: bool) -> None:
+    x = _as_rows(inputs[0])
+    other = _as_rows(inputs[1]) if residual else x
+    weight = inputs[-1]
+    rows, cols = x.shape
+    y, rstd = outputs[0].view(rows, cols), outputs[1].view(-1)
+    total = outputs[2].view(rows, cols) if residual else y
+    tiling = plan.tiling
+    _rms_norm_kernel[plan.grid](
+        x, other, weight if weight is not None else x, y, rstd, total, rows, cols,
+        x.stride(0), other.stride(0), plan.attrs["eps"], HAS_RESIDUAL=residual,
+        HAS_WEIGHT=weight is not None, LOOPED=tiling.variant == "looped",
+        WIDE=_wide(rows, cols, x, other), **tiling.blocks, **launch_options(tiling))
+
+
+@RMS_NORM.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """Rows (or looped blocks) of x to (y, rstd)."""
+    _launch_forward(plan, inputs, outputs, residual=False)
+
+
+@ADD_RMS_NORM.launcher("triton")
+def launch_add(plan: object, inputs: Sequence[torch.Tensor | None],
+               outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """Rows of x and residual to (y, rstd, x + residual), each read once."""
+    _launch_forward(plan, inputs, outputs, residual=True)
+
+
+@RMS_NORM_BACKWARD.launcher("triton")
+def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
+                    outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """grad_x row by row; grad_weight from per-program partials summed in order."""
+    grad, x = _as_rows(inputs[0]), _as_rows(inputs[1])
+    rstd, weight = inputs[2].reshape(-1), inputs[3]
+    rows, cols = x.shape
+    grid = plan.grid
+    tiling = plan.tiling
+    partials = workspace.view(torch.float32) if weight is not None else rstd
+    _rms_norm_backward_kernel[grid](
+        grad, x, rstd, weight if weight is not None else x, outputs[0].view(rows, cols),
+        partials, rows, cols, grad.stride(0), x.stride(0), HAS_WEIGHT=weight is not None,
+        LOOPED=tiling.variant == "looped", WIDE=_wide(rows, cols, grad, x),
+        BLOCK_N=tiling.blocks["BLOCK_N"], **launch_options(tiling))
+    if weight is not None:
+        block = 1024
+        _sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)),)](
+            partials, outputs[1], grid[0], cols, BLOCK=block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[object, ...]
+                   ) -> None:
+    *tensors, weight, eps = inputs
+    ctx.save_for_backward(output[-1] if len(tensors) == 2 else tensors[0], output[1], weight)
+    ctx.eps = eps
+    ctx.residual = len(tensors) == 2
+
+
+def _backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | None,
+              grad_sum: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    x, rstd, weight = ctx.saved_tensors
+    grad_x, grad_weight = torch.ops.opforge.rms_norm_backward(grad_y, x, rstd, weight,
+                                                              ctx.eps)
+    if grad_sum is not None:
+        grad_x = grad_x + grad_sum
+    weight_grad = grad_weight if weight is not None and ctx.needs_input_grad[-2] else None
+    if ctx.residual:
+        return grad_x, grad_x, weight_grad, None
+    return grad_x, weight_grad, None
+
+
+@RMS_NORM.autograd(_setup_context)
+def backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, ...]:
+    """grad_x and grad_weight through `rms_norm_backward`; rstd is not differentiable."""
+    return _backward(ctx, grad_y, grad_rstd)
+
+
+@ADD_RMS_NORM.autograd(_setup_context)
+def add_backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | None,
+                 grad_sum: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """x and residual get the same gradient: rms_norm's grad_x plus the sum's gradient."""
+    return _backward(ctx, grad_y, grad_rstd, grad_sum)
+
+
+register_op(RMS_NORM_BACKWARD)
+register_op(RMS_NORM)
+register_op(ADD_RMS_NORM)

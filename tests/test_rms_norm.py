@@ -1,0 +1,150 @@
+"""RMSNorm and Add-RMSNorm: both variants, values near the float16 maximum, gradients
+(deterministic weight gradient), the torch_npu signatures, the module and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import opforge
+import opforge.nn
+from opforge.compat import torch_npu
+from opforge.core.hardware import get_profile
+from opforge.core.opdef import Case
+
+from .conftest import DEVICE, assert_golden
+
+RMS_NORM = opforge.get_op("rms_norm")
+ADD_RMS_NORM = opforge.get_op("add_rms_norm")
+BACKWARD = opforge.get_op("rms_norm_backward")
+# 16 KiB on chip cannot hold these rows: the looped variant takes them.
+SMALL = dataclasses.replace(get_profile("h200"), name="small", onchip_bytes=16 * 1024)
+PROFILES = {"small": "looped", "cpu": "rows"}
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0,
+       seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(DEVICE, dtype)
+
+
+def _profile(name: str) -> object:
+    return SMALL if name == "small" else name
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_variants_forward_and_backward(profile, dtype):
+    x, residual = _x(5, 3001, dtype=dtype), _x(5, 3001, dtype=dtype, seed=1)
+    weight, grad = _x(3001, dtype=dtype, seed=2), _x(5, 3001, dtype=dtype, seed=3)
+    with opforge.use_backend("triton"), opforge.use_hardware(_profile(profile)):
+        plan = opforge.plan(RMS_NORM, x, weight)
+        assert plan.tiling.variant == PROFILES[profile]
+        y, rstd = plan.run(x, weight)
+        fused = opforge.plan(ADD_RMS_NORM, x, residual, weight).run(x, residual, weight)
+        backward = opforge.plan(BACKWARD, grad, x, rstd, weight)
+        assert backward.workspace_bytes == 4 * backward.grid[0] * 3001
+        grads = backward.run(grad, x, rstd, weight)
+    assert_golden(RMS_NORM, Case("rows", (x, weight)), (y, rstd))
+    assert_golden(ADD_RMS_NORM, Case("rows", (x, residual, weight)), fused)
+    assert_golden(BACKWARD, Case("rows", (grad, x, rstd, weight)), grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_values_near_the_float16_maximum(dtype, backend):
+    """The naive float16 sum of squares overflows at once (60000^2 > 65504): mean(x^2) is
+    Inf and y is 0 for every element. opforge sums squares in float32 and stays within the
+    dtype's max_eps bound (1 eps in float16/bfloat16, 32 in float32)."""
+    x = ((torch.rand(4, 1000, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5)
+         * 65504).to(DEVICE, dtype)
+    weight = _x(1000, dtype=dtype)
+    half = x.float().clamp(max=65504).half()
+    naive = half * torch.rsqrt(half.square().mean(-1, keepdim=True) + 1e-6)
+    assert (naive == 0).all()
+    y, rstd = opforge.plan(RMS_NORM, x, weight).run(x, weight)
+    assert_golden(RMS_NORM, Case("near_max", (x, weight)), (y, rstd))
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_autograd_matches_torch(with_weight, backend):
+    x = _x(6, 37, dtype=torch.float64).float().requires_grad_()
+    weight = _x(37, seed=1).requires_grad_() if with_weight else None
+    upstream = _x(6, 37, seed=2)
+    ours = opforge.rms_norm(x, weight, 1e-5)
+    params = [x] + ([weight] if with_weight else [])
+    got = torch.autograd.grad(ours, params, upstream)
+    wide = [p.detach().double().requires_grad_() for p in params]
+    theirs = torch.nn.functional.rms_norm(wide[0], (37,), wide[1] if with_weight else None,
+                                          1e-5)
+    expected = torch.autograd.grad(theirs, wide, upstream.double())
+    for g, e in zip(got, expected, strict=True):
+        assert (g.double() - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_add_rms_norm_gradients_reach_both_inputs(backend):
+    x, residual = _x(4, 65).requires_grad_(), _x(4, 65, seed=1).requires_grad_()
+    weight = _x(65, seed=2).requires_grad_()
+    y, total = opforge.add_rms_norm(x, residual, weight)
+    assert torch.equal(total, x + residual)
+    (y * _x(4, 65, seed=3)).sum().backward()
+    wide = [t.detach().double().requires_grad_() for t in (x, residual, weight)]
+    expected_y = torch.nn.functional.rms_norm(wide[0] + wide[1], (65,), wide[2], 1e-6)
+    (expected_y * _x(4, 65, seed=3).double()).sum().backward()
+    for ours, theirs in zip((x, residual, weight), wide, strict=True):
+        assert (ours.grad.double() - theirs.grad).abs().max() <= 1e-5 * theirs.grad.abs().max()
+
+
+def test_gradcheck_in_float64():
+    x = _x(3, 9).double().requires_grad_()
+    weight = _x(9, seed=1).double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, w: opforge.rms_norm(a, w, 1e-3), (x, weight))
+
+
+def test_weight_gradient_is_deterministic():
+    grad, x = _x(257, 129), _x(257, 129, seed=1)
+    weight = _x(129, seed=2)
+    rstd = torch.rsqrt(x.square().mean(-1) + 1e-6)
+    with opforge.use_backend("triton"), opforge.use_hardware(SMALL):
+        first = torch.ops.opforge.rms_norm_backward(grad, x, rstd, weight, 1e-6)
+        second = torch.ops.opforge.rms_norm_backward(grad, x, rstd, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_torch_npu_signatures(backend):
+    x, other, gamma = _x(2, 3, 16), _x(2, 3, 16, seed=1), _x(16, seed=2)
+    y, rstd = torch_npu.npu_rms_norm(x, gamma)
+    assert rstd.shape == (2, 3, 1) and rstd.dtype == torch.float32
+    assert torch.allclose(y, opforge.rms_norm(x, gamma))
+    y2, rstd2, total = torch_npu.npu_add_rms_norm(x, other, gamma, 1e-5)
+    assert torch.equal(total, x + other) and rstd2.shape == (2, 3, 1)
+    assert torch.allclose(y2, opforge.rms_norm(x + other, gamma, 1e-5), atol=1e-6)
+
+
+def test_module_is_a_drop_in_for_torch():
+    torch.manual_seed(0)
+    for shape, eps, affine in (((16,), None, True), ((4, 8), 1e-5, True), (16, 1e-6, False)):
+        ours, theirs = opforge.nn.RMSNorm(shape, eps, affine), torch.nn.RMSNorm(shape, eps,
+                                                                              affine)
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        assert ours.extra_repr() == theirs.extra_repr()
+        if affine:
+            theirs.weight.data.normal_()
+            ours.load_state_dict(theirs.state_dict())
+        x = _x(3, 4, 8) if shape == (4, 8) else _x(3, 5, 16)
+        assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+
+
+def test_errors_come_before_any_kernel():
+    with pytest.raises(opforge.ShapeError, match="weight"):
+        opforge.rms_norm(_x(3, 4), _x(5))
+    with pytest.raises(opforge.ShapeError, match="residual"):
+        opforge.add_rms_norm(_x(3, 4), _x(3, 5), None)
+    with pytest.raises(opforge.AttrError, match="eps"):
+        opforge.rms_norm(_x(3, 4), None, -1.0)
+    with pytest.raises(opforge.DtypeError):
+        opforge.rms_norm(torch.ones(3, 4, dtype=torch.int32))
+    with pytest.raises(opforge.ShapeError):
+        opforge.nn.RMSNorm(8)(_x(3, 4))
