@@ -87,6 +87,9 @@ def test_operator_module_order(path):
     positions = [opdef.start() if opdef else -1, reference.start() if reference else -1]
     positions += [source.find(m) for m in markers]
     markers = ["OpDef", "reference", *markers]
+    if positions[2] < 0 and "from opforge.ops import _" in source:
+        # Kernels shared with other operators live in the ops/_*.py module it imports.
+        del positions[2], markers[2]
     assert all(p >= 0 for p in positions), dict(zip(markers, positions, strict=True))
     assert positions == sorted(positions), "order: OpDef, reference, kernels, launcher, " \
                                            "backward, registration"

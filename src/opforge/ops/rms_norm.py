@@ -15,20 +15,16 @@ and ``grad_weight = sum over rows of grad * x_hat``, reduced from per-program fl
 partials in a fixed order (no atomics: deterministic). ``grad_weight`` is empty without
 ``weight``.
 
-Variants: ``rows`` keeps ``BLOCK_M`` whole rows on chip (one read of each input);
-``looped`` handles rows longer than the chip holds, one row per program at a time, in
-``BLOCK_N`` blocks (a second read of the row).
+Tiling variants, kernels and launchers are `opforge.ops._norm`'s, without centering.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from opforge.core.errors import ShapeError
-from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     FLOAT_DTYPES,
     Attr,
@@ -42,19 +38,11 @@ from opforge.core.opdef import (
     PrecisionSpec,
     Specs,
     TensorArg,
-    Tiling,
 )
 from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank
-from opforge.core.tiling import (
-    MAX_PROGRAMS,
-    PROGRAMS_PER_CORE,
-    cdiv,
-    gpu_warps,
-    launch_options,
-    next_power_of_2,
-)
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops import _norm as norm
+from opforge.ops._elementwise import random_input
 from opforge.ops._rows import (
     CANCELLING_GRADIENT,
     OVERFLOWING_ROW_SUM,
@@ -62,23 +50,7 @@ from opforge.ops._rows import (
 )
 from opforge.precision.cases import generate
 
-try:
-    import triton
-    import triton.language as tl
-
-    from opforge.ops._math import rounded_for, widen
-except ImportError:  # pragma: no cover
-    triton = None
-
 EPS = Attr("eps", "float", 1e-6, range=(0.0, None), doc="added to mean(x^2)")
-ROWS_TILE = 4096
-LOOP_BLOCK = 4096
-
-
-def _rows_and_cols(spec: object) -> tuple[int, int]:
-    shape = tuple(spec.shape) or (1,)
-    cols = shape[-1]
-    return (math.prod(shape) // cols if cols else 0), cols
 
 
 def _check_weight(op: str, x: object, weight: object) -> None:
@@ -143,43 +115,12 @@ def _cost(reads: int, writes: int) -> Callable[[Specs, Specs, Attrs], Cost]:
     return cost
 
 
-def _tiling(streams: int) -> Callable[..., list[Tiling]]:
-    """``rows`` when ``BLOCK_M`` rows of ``streams`` tensors (plus float32 copies) fit on
-    chip, else ``looped``."""
-    def tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
-               ) -> list[Tiling]:
-        x = inputs[0]
-        rows, cols = _rows_and_cols(x)
-        per_element = streams * (x.itemsize + 4)
-        block_n = next_power_of_2(max(cols, 1))
-        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
-        candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
-                             block_m * block_n * per_element, double_buffered=False,
-                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
-        block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
-        while block >= 16:
-            candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
-                                     block * per_element,
-                                     options={"warps": gpu_warps(block, hardware)}))
-            block //= 2
-        return candidates
-    return tiling
+def _geometry(inputs: Specs, attrs: Attrs) -> tuple[int, int]:
+    return norm.rows_and_cols(inputs[0].shape, 1)
 
 
-def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
-          hardware: HardwareProfile) -> tuple[int, ...]:
-    rows, _ = _rows_and_cols(inputs[0])
-    blocks = cdiv(rows, tiling.blocks["BLOCK_M"])
-    return (max(1, min(blocks, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
-
-
-def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
-                        attrs: Attrs) -> int:
-    """float32 grad_weight partials, one row per program."""
-    if inputs[3] is None:
-        return 0
-    _, cols = _rows_and_cols(inputs[0])
-    return 4 * grid[0] * cols
+def _partial_sets(inputs: Specs) -> int:
+    return int(inputs[3] is not None)
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -249,17 +190,15 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def _norm_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
                 golden: torch.Tensor) -> torch.Tensor:
-    """|golden| for y, rstd and the sum; the backward's row sum cancels, so grad_x is judged
-    against rstd (|g| + |x_hat| mean|g x_hat|) and grad_weight against sum|grad x_hat|."""
+    """|golden| for y, rstd and the sum; `_norm.gradient_scale` for the gradients."""
     if not opdef.name.endswith("backward") or not golden.numel():
         return golden.abs()
     grad, x, rstd, weight = inputs
-    x_hat = x * rstd.unsqueeze(-1)
-    if golden.shape == x.shape:
-        g = grad * (weight if weight is not None else 1.0)
-        return golden.abs() + rstd.unsqueeze(-1) * (
-            g.abs() + x_hat.abs() * (g * x_hat).abs().mean(-1, keepdim=True))
-    return (grad * x_hat).abs().reshape(-1, x.shape[-1]).sum(0)
+    cols = x.shape[-1]
+    grad, x = grad.reshape(-1, cols), x.reshape(-1, cols)
+    rstd = rstd.reshape(-1, 1)
+    g = grad * (weight if weight is not None else 1.0)
+    return norm.gradient_scale(grad, x * rstd, rstd, g, golden, center=False)
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float
@@ -300,8 +239,9 @@ RMS_NORM = OpDef(
     inputs=(TensorArg("x"), TensorArg("weight", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("y"), OutputArg("rstd")), attrs=(EPS,),
     infer_shape=_forward_shapes(False), infer_dtype=_forward_dtypes(False),
-    check=_check("rms_norm", ()), cost=_cost(1, 1), tiling=_tiling(1), grid=_grid,
-    samples=_samples, autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
+    check=_check("rms_norm", ()), cost=_cost(1, 1), tiling=norm.tiling(_geometry, 1),
+    grid=norm.grid(_geometry), samples=_samples, autocast=AutocastPolicy.FP32,
+    error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm, sweep=_sweep(False),
                             known_limitations=(SHARED_ROW_STATISTIC,)))
 
@@ -311,8 +251,9 @@ ADD_RMS_NORM = OpDef(
             TensorArg("weight", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("y"), OutputArg("rstd"), OutputArg("sum")), attrs=(EPS,),
     infer_shape=_forward_shapes(True), infer_dtype=_forward_dtypes(True),
-    check=_check("add_rms_norm", ("residual",)), cost=_cost(2, 2), tiling=_tiling(2),
-    grid=_grid, samples=_add_samples, autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
+    check=_check("add_rms_norm", ("residual",)), cost=_cost(2, 2),
+    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry), samples=_add_samples,
+    autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_add_rms_norm,
                             sweep=_sweep(True), known_limitations=(SHARED_ROW_STATISTIC,)))
 
@@ -322,8 +263,9 @@ RMS_NORM_BACKWARD = OpDef(
             TensorArg("weight", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight")), attrs=(EPS,),
     infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
-    check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1), tiling=_tiling(2),
-    grid=_grid, workspace=_backward_workspace, samples=_backward_samples,
+    check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1),
+    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry),
+    workspace=norm.backward_workspace(_geometry, _partial_sets), samples=_backward_samples,
     error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm_backward,
                             sweep=_backward_sweep, known_limitations=(
@@ -374,206 +316,38 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
-
-if triton is not None:
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, rstd_ptr, sum_ptr, M, N,
-                         stride_x, stride_r, eps, HAS_RESIDUAL: tl.constexpr,
-                         HAS_WEIGHT: tl.constexpr, LOOPED: tl.constexpr, WIDE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        cols = tl.arange(0, BLOCK_N)
-        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-            if WIDE:
-                rows = rows.to(tl.int64)
-            row_mask = rows < M
-            if LOOPED:
-                squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for start in range(0, N, BLOCK_N):
-                    offsets = start + cols
-                    mask = row_mask[:, None] & (offsets < N)[None, :]
-                    s = widen(tl.load(x_ptr + rows[:, None] * stride_x + offsets[None, :],
-                                      mask=mask, other=0.0))
-                    if HAS_RESIDUAL:
-                        s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
-                                           + offsets[None, :], mask=mask, other=0.0))
-                        sums = sum_ptr + rows[:, None] * N + offsets[None, :]
-                        tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
-                    squares += tl.sum(s * s, axis=1)
-                rstd = 1.0 / tl.sqrt(squares / N + eps)
-                for start in range(0, N, BLOCK_N):
-                    offsets = start + cols
-                    mask = row_mask[:, None] & (offsets < N)[None, :]
-                    s = widen(tl.load(x_ptr + rows[:, None] * stride_x + offsets[None, :],
-                                      mask=mask, other=0.0))
-                    if HAS_RESIDUAL:
-                        s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
-                                           + offsets[None, :], mask=mask, other=0.0))
-                    y = s * rstd[:, None]
-                    if HAS_WEIGHT:
-                        y *= widen(tl.load(weight_ptr + offsets, mask=offsets < N,
-                                           other=0.0))[None, :]
-                    outs = y_ptr + rows[:, None] * N + offsets[None, :]
-                    tl.store(outs, rounded_for(y, y_ptr), mask=mask)
-            else:
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                s = widen(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                                  mask=mask, other=0.0))
-                if HAS_RESIDUAL:
-                    s += widen(tl.load(residual_ptr + rows[:, None] * stride_r
-                                       + cols[None, :], mask=mask, other=0.0))
-                    sums = sum_ptr + rows[:, None] * N + cols[None, :]
-                    tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
-                rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
-                y = s * rstd[:, None]
-                if HAS_WEIGHT:
-                    y *= widen(tl.load(weight_ptr + cols, mask=cols < N, other=0.0))[None, :]
-                tl.store(y_ptr + rows[:, None] * N + cols[None, :], rounded_for(y, y_ptr),
-                         mask=mask)
-            tl.store(rstd_ptr + rows, rounded_for(rstd, rstd_ptr), mask=row_mask)
-
-    @triton.jit
-    def _grad_block(grad_ptr, x_ptr, weight_ptr, row, offsets, stride_g, stride_x, N,
-                    HAS_WEIGHT: tl.constexpr):
-        """(grad, x, grad * weight) of one block of a row, in float32."""
-        mask = offsets < N
-        grad = widen(tl.load(grad_ptr + row * stride_g + offsets, mask=mask, other=0.0))
-        x = widen(tl.load(x_ptr + row * stride_x + offsets, mask=mask, other=0.0))
-        if HAS_WEIGHT:
-            return grad, x, grad * widen(tl.load(weight_ptr + offsets, mask=mask, other=0.0))
-        else:
-            return grad, x, grad
-
-    @triton.jit
-    def _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row, offsets, N,
-                          HAS_WEIGHT: tl.constexpr):
-        """grad_x of the block, and its grad * x_hat added to the program's partials."""
-        mask = offsets < N
-        x_hat = x * rstd
-        dx = rstd * (grad_w - x_hat * mean)
-        tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=mask)
-        if HAS_WEIGHT:
-            acc = tl.load(partial_row + offsets, mask=mask, other=0.0)
-            tl.store(partial_row + offsets, acc + grad * x_hat, mask=mask)
-
-    @triton.jit
-    def _rms_norm_backward_kernel(grad_ptr, x_ptr, rstd_ptr, weight_ptr, dx_ptr, partial_ptr,
-                                  M, N, stride_g, stride_x, HAS_WEIGHT: tl.constexpr,
-                                  LOOPED: tl.constexpr, WIDE: tl.constexpr,
-                                  BLOCK_N: tl.constexpr):
-        # One row at a time; each program owns one row of grad_weight partials, so the
-        # final column sums need no atomics.
-        cols = tl.arange(0, BLOCK_N)
-        program = tl.program_id(0)
-        partial_row = partial_ptr + program * N
-        if HAS_WEIGHT:
-            for start in range(0, N, BLOCK_N):
-                offsets = start + cols
-                tl.store(partial_row + offsets, tl.zeros([BLOCK_N], dtype=tl.float32),
-                         mask=offsets < N)
-        for row in range(program, M, tl.num_programs(0)):
-            if WIDE:
-                row = row.to(tl.int64)
-            rstd = widen(tl.load(rstd_ptr + row))
-            if LOOPED:
-                dot = 0.0
-                for start in range(0, N, BLOCK_N):
-                    grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
-                                                  start + cols, stride_g, stride_x, N,
-                                                  HAS_WEIGHT)
-                    dot += tl.sum(grad_w * x, axis=0)
-                mean = dot * rstd / N
-                for start in range(0, N, BLOCK_N):
-                    grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
-                                                  start + cols, stride_g, stride_x, N,
-                                                  HAS_WEIGHT)
-                    _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row,
-                                      start + cols, N, HAS_WEIGHT)
-            else:
-                grad, x, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
-                                              stride_g, stride_x, N, HAS_WEIGHT)
-                mean = tl.sum(grad_w * x, axis=0) * rstd / N
-                _write_grad_block(grad, x, grad_w, rstd, mean, dx_ptr, partial_row, row, cols,
-                                  N, HAS_WEIGHT)
-
-    @triton.jit
-    def _sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK: tl.constexpr):
-        # Column sums of the (P, N) partials in a fixed order: deterministic.
-        for block in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
-            offsets = block * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < N
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            for program in range(0, P):
-                total += tl.load(partial_ptr + program * N + offsets, mask=mask, other=0.0)
-            tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launchers
-
-
-def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """``(rows, N)`` with unit column stride: a view when possible, else a copy."""
-    matrix = tensor.reshape(-1, tensor.shape[-1] if tensor.ndim else 1)
-    return matrix if matrix.stride(-1) == 1 else matrix.contiguous()
-
-
-def _wide(rows: int, cols: int, *matrices: torch.Tensor) -> bool:
-    reach = max([rows * cols] + [(rows - 1) * m.stride(0) + cols for m in matrices])
-    return reach > INT32_LIMIT
-
-
-def _launch_forward(plan: object, inputs: Sequence[torch.Tensor | None],
-                    outputs: Sequence[torch.Tensor], residual: bool) -> None:
-    x = _as_rows(inputs[0])
-    other = _as_rows(inputs[1]) if residual else x
-    weight = inputs[-1]
-    rows, cols = x.shape
-    y, rstd = outputs[0].view(rows, cols), outputs[1].view(-1)
-    total = outputs[2].view(rows, cols) if residual else y
-    tiling = plan.tiling
-    _rms_norm_kernel[plan.grid](
-        x, other, weight if weight is not None else x, y, rstd, total, rows, cols,
-        x.stride(0), other.stride(0), plan.attrs["eps"], HAS_RESIDUAL=residual,
-        HAS_WEIGHT=weight is not None, LOOPED=tiling.variant == "looped",
-        WIDE=_wide(rows, cols, x, other), **tiling.blocks, **launch_options(tiling))
+# Launchers (the kernels are `opforge.ops._norm`'s)
 
 
 @RMS_NORM.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """Rows (or looped blocks) of x to (y, rstd)."""
-    _launch_forward(plan, inputs, outputs, residual=False)
+    x, weight = inputs
+    y, rstd = outputs
+    norm.launch_forward(plan, x.shape[-1] if x.ndim else 1, x, None, weight, None, y, None,
+                        rstd, None, center=False)
 
 
 @ADD_RMS_NORM.launcher("triton")
 def launch_add(plan: object, inputs: Sequence[torch.Tensor | None],
                outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """Rows of x and residual to (y, rstd, x + residual), each read once."""
-    _launch_forward(plan, inputs, outputs, residual=True)
+    x, residual, weight = inputs
+    y, rstd, total = outputs
+    norm.launch_forward(plan, x.shape[-1] if x.ndim else 1, x, residual, weight, None, y,
+                        None, rstd, total, center=False)
 
 
 @RMS_NORM_BACKWARD.launcher("triton")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """grad_x row by row; grad_weight from per-program partials summed in order."""
-    grad, x = _as_rows(inputs[0]), _as_rows(inputs[1])
-    rstd, weight = inputs[2].reshape(-1), inputs[3]
-    rows, cols = x.shape
-    grid = plan.grid
-    tiling = plan.tiling
-    partials = workspace.view(torch.float32) if weight is not None else rstd
-    _rms_norm_backward_kernel[grid](
-        grad, x, rstd, weight if weight is not None else x, outputs[0].view(rows, cols),
-        partials, rows, cols, grad.stride(0), x.stride(0), HAS_WEIGHT=weight is not None,
-        LOOPED=tiling.variant == "looped", WIDE=_wide(rows, cols, grad, x),
-        BLOCK_N=tiling.blocks["BLOCK_N"], **launch_options(tiling))
-    if weight is not None:
-        block = 1024
-        _sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)),)](
-            partials, outputs[1], grid[0], cols, BLOCK=block)
+    grad, x, rstd, weight = inputs
+    grad_x, grad_weight = outputs
+    norm.launch_backward(plan, x.shape[-1] if x.ndim else 1, grad, x, None, rstd, weight,
+                         False, grad_x, grad_weight if weight is not None else None, None,
+                         workspace, center=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,378 @@
+"""What LayerNorm and RMSNorm share: row statistics in float32, the two tiling variants, the
+kernels, the launchers and the error scale.
+
+A norm works on rows of ``N = prod(normalized dims)`` elements. With ``CENTER`` (LayerNorm)
+the row mean is subtracted and the variance is the mean squared deviation, computed by two
+passes over the row in registers (``rows``) or by merging per-block (count, mean, M2)
+statistics with Chan's formula (``looped``), never by ``E[x^2] - E[x]^2``, which cancels
+catastrophically for data far from zero. Without it (RMSNorm) the mean is 0 and the
+"variance" is ``mean(x^2)``. ``rstd = 1 / sqrt(var + eps)``, ``x_hat = (x - mean) * rstd``,
+``y = x_hat * weight + bias``.
+
+Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
+x_hat))`` (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
+``grad_bias = sum grad`` over rows: each program accumulates its rows into its own row of
+float32 partials in the workspace, and a second kernel sums the partials in program order,
+so the result is deterministic (no atomics).
+
+Variants: ``rows`` keeps ``BLOCK_M`` whole rows on chip (one read of each input);
+``looped`` takes one row at a time in ``BLOCK_N`` blocks (the row is read twice).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import Attrs, Specs, Tiling
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    PROGRAMS_PER_CORE,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+)
+from opforge.ops._elementwise import INT32_LIMIT
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+ROWS_TILE = 4096
+LOOP_BLOCK = 4096
+SUM_BLOCK = 1024
+# (rows, cols) of a norm call from its specs and attributes.
+Geometry = Callable[[Specs, Attrs], tuple[int, int]]
+
+
+def rows_and_cols(shape: Sequence[int], normalized: int) -> tuple[int, int]:
+    """``(rows, N)`` when the last ``normalized`` dims of ``shape`` are normalised."""
+    shape = tuple(shape) or (1,)
+    cols = math.prod(shape[len(shape) - normalized:])
+    return (math.prod(shape) // cols if cols else 0), cols
+
+
+def tiling(geometry: Geometry, streams: int) -> Callable[..., list[Tiling]]:
+    """Candidates: ``rows`` when ``BLOCK_M`` rows of ``streams`` row-sized tensors (and
+    their float32 copies) fit on chip, then ``looped`` with shrinking blocks."""
+    def choose(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+               ) -> list[Tiling]:
+        rows, cols = geometry(inputs, attrs)
+        per_element = streams * (inputs[0].itemsize + 4)
+        block_n = next_power_of_2(max(cols, 1))
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
+        candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                             block_m * block_n * per_element, double_buffered=False,
+                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
+        block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
+        while block >= 16:
+            candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
+                                     block * per_element,
+                                     options={"warps": gpu_warps(block, hardware)}))
+            block //= 2
+        return candidates
+    return choose
+
+
+def grid(geometry: Geometry) -> Callable[..., tuple[int, ...]]:
+    """A persistent grid over row blocks."""
+    def choose(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+               hardware: HardwareProfile) -> tuple[int, ...]:
+        rows, _ = geometry(inputs, attrs)
+        blocks = cdiv(rows, tiling.blocks["BLOCK_M"])
+        return (max(1, min(blocks, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
+    return choose
+
+
+def backward_workspace(geometry: Geometry, partial_sets: Callable[[Specs], int]
+                       ) -> Callable[..., int]:
+    """float32 partials: ``partial_sets(inputs)`` arrays (weight, bias) of one row per
+    program."""
+    def size(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+             attrs: Attrs) -> int:
+        _, cols = geometry(inputs, attrs)
+        return 4 * partial_sets(inputs) * grid[0] * cols
+    return size
+
+
+def gradient_scale(grad: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor,
+                   g: torch.Tensor, golden: torch.Tensor, center: bool) -> torch.Tensor:
+    """The magnitude a norm's gradient is judged against (float64 ``(rows, N)`` views):
+    grad_x's row sums cancel, so rstd (|g| + mean|g| + |x_hat| mean|g x_hat|); the weight
+    and bias gradients are sums over rows, so sum|grad x_hat| and sum|grad|."""
+    if golden.numel() == grad.numel():
+        spread = g.abs() + x_hat.abs() * (g * x_hat).abs().mean(-1, keepdim=True)
+        if center:
+            spread = spread + g.abs().mean(-1, keepdim=True)
+        return golden.abs() + (rstd * spread).reshape(golden.shape)
+    return golden.abs() + (grad * x_hat).abs().sum(0).reshape(golden.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x, stride_r,
+                        HAS_RESIDUAL: tl.constexpr):
+        """x (+ residual) of a block of rows, in float32; 0 where masked."""
+        s = widen(tl.load(x_ptr + rows[:, None] * stride_x + offsets[None, :], mask=mask,
+                          other=0.0))
+        if HAS_RESIDUAL:
+            s += widen(tl.load(residual_ptr + rows[:, None] * stride_r + offsets[None, :],
+                               mask=mask, other=0.0))
+        return s
+
+    @triton.jit
+    def _affine(x_hat, weight_ptr, bias_ptr, offsets, N, HAS_WEIGHT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+        y = x_hat
+        if HAS_WEIGHT:
+            y *= widen(tl.load(weight_ptr + offsets, mask=offsets < N, other=0.0))[None, :]
+        if HAS_BIAS:
+            y += widen(tl.load(bias_ptr + offsets, mask=offsets < N, other=0.0))[None, :]
+        return y
+
+    @triton.jit
+    def norm_forward_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr,
+                            rstd_ptr, sum_ptr, M, N, stride_x, stride_r, eps,
+                            CENTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                            HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            LOOPED: tl.constexpr, WIDE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            row_mask = rows < M
+            if LOOPED:
+                count = 0.0
+                mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+                m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    offsets = start + cols
+                    mask = row_mask[:, None] & (offsets < N)[None, :]
+                    s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x,
+                                        stride_r, HAS_RESIDUAL)
+                    if HAS_RESIDUAL:
+                        sums = sum_ptr + rows[:, None] * N + offsets[None, :]
+                        tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
+                    if CENTER:
+                        # Chan et al.: merge the block's (count, mean, M2) into the row's.
+                        block_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                        block_mean = tl.sum(s, axis=1) / block_count
+                        deviation = tl.where(mask, s - block_mean[:, None], 0.0)
+                        delta = block_mean - mean
+                        total = count + block_count
+                        mean += delta * (block_count / total)
+                        m2 += (tl.sum(deviation * deviation, axis=1)
+                               + delta * delta * (count * block_count / total))
+                        count = total
+                    else:
+                        m2 += tl.sum(s * s, axis=1)
+                rstd = 1.0 / tl.sqrt(m2 / N + eps)
+                for start in range(0, N, BLOCK_N):
+                    offsets = start + cols
+                    mask = row_mask[:, None] & (offsets < N)[None, :]
+                    s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x,
+                                        stride_r, HAS_RESIDUAL)
+                    y = _affine((s - mean[:, None]) * rstd[:, None], weight_ptr, bias_ptr,
+                                offsets, N, HAS_WEIGHT, HAS_BIAS)
+                    outs = y_ptr + rows[:, None] * N + offsets[None, :]
+                    tl.store(outs, rounded_for(y, y_ptr), mask=mask)
+            else:
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                s = _load_row_block(x_ptr, residual_ptr, rows, cols, mask, stride_x, stride_r,
+                                    HAS_RESIDUAL)
+                if HAS_RESIDUAL:
+                    sums = sum_ptr + rows[:, None] * N + cols[None, :]
+                    tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
+                if CENTER:
+                    mean = tl.sum(s, axis=1) / N
+                    deviation = tl.where(mask, s - mean[:, None], 0.0)
+                else:
+                    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    deviation = s
+                rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, axis=1) / N + eps)
+                y = _affine(deviation * rstd[:, None], weight_ptr, bias_ptr, cols, N,
+                            HAS_WEIGHT, HAS_BIAS)
+                outs = y_ptr + rows[:, None] * N + cols[None, :]
+                tl.store(outs, rounded_for(y, y_ptr), mask=mask)
+            if CENTER:
+                tl.store(mean_ptr + rows, rounded_for(mean, mean_ptr), mask=row_mask)
+            tl.store(rstd_ptr + rows, rounded_for(rstd, rstd_ptr), mask=row_mask)
+
+    @triton.jit
+    def _grad_block(grad_ptr, x_ptr, weight_ptr, row, offsets, stride_g, stride_x, N, mean,
+                    rstd, HAS_WEIGHT: tl.constexpr):
+        """(grad, x_hat, grad * weight) of one block of a row, in float32."""
+        mask = offsets < N
+        grad = widen(tl.load(grad_ptr + row * stride_g + offsets, mask=mask, other=0.0))
+        x = widen(tl.load(x_ptr + row * stride_x + offsets, mask=mask, other=0.0))
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        if HAS_WEIGHT:
+            return grad, x_hat, grad * widen(tl.load(weight_ptr + offsets, mask=mask,
+                                                     other=0.0))
+        else:
+            return grad, x_hat, grad
+
+    @triton.jit
+    def _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr, partial_w,
+                          partial_b, row, offsets, N, HAS_WEIGHT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+        """grad_x of the block, and its weight/bias terms added to the program's partials
+        (a row of the workspace no other program touches)."""
+        mask = offsets < N
+        dx = rstd * (grad_w - mean_g - x_hat * mean_gx)
+        tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=mask)
+        if HAS_WEIGHT:
+            acc = tl.load(partial_w + offsets, mask=mask, other=0.0)
+            tl.store(partial_w + offsets, acc + grad * x_hat, mask=mask)
+        if HAS_BIAS:
+            acc = tl.load(partial_b + offsets, mask=mask, other=0.0)
+            tl.store(partial_b + offsets, acc + grad, mask=mask)
+
+    @triton.jit
+    def norm_backward_kernel(grad_ptr, x_ptr, mean_ptr, rstd_ptr, weight_ptr, dx_ptr,
+                             partial_ptr, M, N, stride_g, stride_x, CENTER: tl.constexpr,
+                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             LOOPED: tl.constexpr, WIDE: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        partial_w = partial_ptr + program * N
+        if HAS_WEIGHT:
+            partial_b = partial_ptr + (programs + program) * N
+        else:
+            partial_b = partial_w
+        for start in range(0, N, BLOCK_N):
+            offsets = start + cols
+            zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if HAS_WEIGHT:
+                tl.store(partial_w + offsets, zeros, mask=offsets < N)
+            if HAS_BIAS:
+                tl.store(partial_b + offsets, zeros, mask=offsets < N)
+        for row in range(program, M, programs):
+            if WIDE:
+                row = row.to(tl.int64)
+            rstd = widen(tl.load(rstd_ptr + row))
+            if CENTER:
+                mean = widen(tl.load(mean_ptr + row))
+            else:
+                mean = 0.0
+            if LOOPED:
+                sum_g = 0.0
+                sum_gx = 0.0
+                for start in range(0, N, BLOCK_N):
+                    grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
+                                                      start + cols, stride_g, stride_x, N,
+                                                      mean, rstd, HAS_WEIGHT)
+                    sum_g += tl.sum(grad_w, axis=0)
+                    sum_gx += tl.sum(grad_w * x_hat, axis=0)
+                mean_gx = sum_gx / N
+                if CENTER:
+                    mean_g = sum_g / N
+                else:
+                    mean_g = 0.0
+                for start in range(0, N, BLOCK_N):
+                    grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
+                                                      start + cols, stride_g, stride_x, N,
+                                                      mean, rstd, HAS_WEIGHT)
+                    _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr,
+                                      partial_w, partial_b, row, start + cols, N, HAS_WEIGHT,
+                                      HAS_BIAS)
+            else:
+                grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
+                                                  stride_g, stride_x, N, mean, rstd,
+                                                  HAS_WEIGHT)
+                mean_gx = tl.sum(grad_w * x_hat, axis=0) / N
+                if CENTER:
+                    mean_g = tl.sum(grad_w, axis=0) / N
+                else:
+                    mean_g = 0.0
+                _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr,
+                                  partial_w, partial_b, row, cols, N, HAS_WEIGHT, HAS_BIAS)
+
+    @triton.jit
+    def sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK: tl.constexpr):
+        # Column sums of the (P, N) partials in program order: deterministic.
+        for block in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            offsets = block * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < N
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            for program in range(0, P):
+                total += tl.load(partial_ptr + program * N + offsets, mask=mask, other=0.0)
+            tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def as_rows(tensor: torch.Tensor, cols: int) -> torch.Tensor:
+    """``(rows, cols)`` with unit column stride: a view when possible, else a copy."""
+    matrix = tensor.reshape(-1, cols)
+    return matrix if matrix.stride(-1) == 1 or cols <= 1 else matrix.contiguous()
+
+
+def _wide(rows: int, cols: int, *matrices: torch.Tensor) -> bool:
+    reach = max([rows * cols] + [(rows - 1) * m.stride(0) + cols for m in matrices])
+    return reach > INT32_LIMIT
+
+
+def launch_forward(plan: object, cols: int, x: torch.Tensor, residual: torch.Tensor | None,
+                   weight: torch.Tensor | None, bias: torch.Tensor | None, y: torch.Tensor,
+                   mean: torch.Tensor | None, rstd: torch.Tensor, total: torch.Tensor | None,
+                   center: bool) -> None:
+    """Normalise the rows of ``x`` (+ ``residual``) into ``y``; ``mean`` (with
+    ``center``), ``rstd`` and ``total`` (the sum, with a residual) are written too."""
+    matrix = as_rows(x, cols)
+    other = as_rows(residual, cols) if residual is not None else matrix
+    rows = matrix.shape[0]
+    flat_y = y.view(rows, cols)
+    tiling = plan.tiling
+    norm_forward_kernel[plan.grid](
+        matrix, other, weight.reshape(-1) if weight is not None else matrix,
+        bias.reshape(-1) if bias is not None else matrix, flat_y,
+        mean.view(-1) if mean is not None else rstd.view(-1), rstd.view(-1),
+        total.view(rows, cols) if total is not None else flat_y, rows, cols,
+        matrix.stride(0), other.stride(0), plan.attrs["eps"], CENTER=center,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, LOOPED=tiling.variant == "looped",
+        WIDE=_wide(rows, cols, matrix, other), **tiling.blocks, **launch_options(tiling))
+
+
+def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor,
+                    mean: torch.Tensor | None, rstd: torch.Tensor,
+                    weight: torch.Tensor | None, has_bias: bool, grad_x: torch.Tensor,
+                    grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
+                    workspace: torch.Tensor | None, center: bool) -> None:
+    """grad_x row by row; grad_weight and grad_bias from per-program partials."""
+    grad_rows, x_rows = as_rows(grad, cols), as_rows(x, cols)
+    rows = x_rows.shape[0]
+    programs = plan.grid[0]
+    tiling = plan.tiling
+    partials = workspace.view(torch.float32) if workspace is not None else rstd.view(-1)
+    norm_backward_kernel[plan.grid](
+        grad_rows, x_rows, mean.view(-1) if mean is not None else rstd.view(-1),
+        rstd.view(-1), weight.reshape(-1) if weight is not None else x_rows,
+        grad_x.view(rows, cols), partials, rows, cols, grad_rows.stride(0), x_rows.stride(0),
+        CENTER=center, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+        LOOPED=tiling.variant == "looped", WIDE=_wide(rows, cols, grad_rows, x_rows),
+        BLOCK_N=tiling.blocks["BLOCK_N"], **launch_options(tiling))
+    sums = [out for out in (grad_weight, grad_bias) if out is not None]
+    for index, out in enumerate(sums):
+        sum_partials_kernel[(max(1, min(cdiv(cols, SUM_BLOCK), MAX_PROGRAMS)),)](
+            partials[index * programs * cols:], out.view(-1), programs, cols,
+            BLOCK=SUM_BLOCK)
