@@ -12,6 +12,7 @@ import torch
 
 import opforge.ops.broadcast_add
 import opforge.ops.gelu
+import opforge.ops.layer_norm
 import opforge.ops.reduce_sum
 import opforge.ops.rms_norm
 import opforge.ops.sigmoid
@@ -126,3 +127,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     """
     y, _, total = torch.ops.opforge.add_rms_norm(x, residual, weight, eps)
     return y, total
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing
+    ``normalized_shape`` dims, like ``torch.nn.functional.layer_norm``: float32 statistics,
+    the variance by a stable method, output in ``x.dtype``.
+
+    Raises:
+        AttrError: ``normalized_shape`` is not the trailing dims of ``x``, or a bad ``eps``.
+        ShapeError: ``weight``/``bias`` do not have ``normalized_shape``.
+        DtypeError: unsupported dtype.
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = [normalized_shape]
+    return torch.ops.opforge.layer_norm(x, weight, bias, list(normalized_shape), eps)[0]

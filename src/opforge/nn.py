@@ -85,3 +85,42 @@ class RMSNorm(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
+
+
+class LayerNorm(torch.nn.Module):
+    """``torch.nn.LayerNorm`` computed by `opforge.layer_norm`: same constructor, same
+    ``weight``/``bias`` parameters and state_dict keys."""
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
+                                 else tuple(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            if bias:
+                self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.layer_norm(x, self.normalized_shape, self.weight, self.bias,
+                                     self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")

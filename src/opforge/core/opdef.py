@@ -308,7 +308,7 @@ def _no_check(inputs: Specs, attrs: Attrs) -> None:
 
 
 def magnitude_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-                    golden: torch.Tensor) -> torch.Tensor:
+                    golden: torch.Tensor, output: str) -> torch.Tensor:
     """Default `OpDef.error_scale`: errors are judged relative to |golden|."""
     return golden.abs()
 
@@ -333,9 +333,10 @@ class OpDef:
         grid(tiling, inputs, outputs, attrs, hw) -> launch grid for the exact shapes.
         workspace(tiling, grid, inputs, outputs, attrs) -> workspace bytes.
         samples(dtype, device, generator) -> verification `Case`s.
-        error_scale(opdef, inputs, attrs, golden) -> float64 tensor: the magnitude errors are
-            judged against (|golden| by default; a condition-aware scale where rounding of
-            the inputs is amplified, e.g. sum(|x|) for a reduction).
+        error_scale(opdef, inputs, attrs, golden, output) -> float64 tensor: the magnitude
+            the errors of the output named ``output`` are judged against (|golden| by
+            default; a condition-aware scale where rounding of the inputs is amplified,
+            e.g. sum(|x|) for a reduction).
         precision: the standard `opforge verify` judges it by, its torch peer, its sweep
             cases and known limitations (`PrecisionSpec`).
 

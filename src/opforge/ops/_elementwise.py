@@ -133,7 +133,7 @@ RELATIVE_STEP = 1e-6
 
 
 def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-                       golden: torch.Tensor) -> torch.Tensor:
+                       golden: torch.Tensor, output: str) -> torch.Tensor:
     """`OpDef.error_scale` of an elementwise op: ``|f| + sum_i |x_i df/dx_i|``.
 
     A float32 kernel rounds its inputs and intermediates at relative size ~eps, and that

@@ -107,7 +107,7 @@ def gradient_scale(grad: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor,
                    g: torch.Tensor, golden: torch.Tensor, center: bool) -> torch.Tensor:
     """The magnitude a norm's gradient is judged against (float64 ``(rows, N)`` views):
     grad_x's row sums cancel, so rstd (|g| + mean|g| + |x_hat| mean|g x_hat|); the weight
-    and bias gradients are sums over rows, so sum|grad x_hat| and sum|grad|."""
+    gradient is a sum over rows, so sum|grad x_hat|."""
     if golden.numel() == grad.numel():
         spread = g.abs() + x_hat.abs() * (g * x_hat).abs().mean(-1, keepdim=True)
         if center:

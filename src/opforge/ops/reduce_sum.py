@@ -160,7 +160,7 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
 
 
 def _sum_abs_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-                   golden: torch.Tensor) -> torch.Tensor:
+                   golden: torch.Tensor, output: str) -> torch.Tensor:
     """|scale| * sum(|x|): a sum's rounding error is relative to its terms' magnitudes, not
     to the (possibly cancelled) result."""
     return reference(inputs[0].abs(), compute_dtype=torch.float64, **attrs).abs()

@@ -189,7 +189,7 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _norm_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-                golden: torch.Tensor) -> torch.Tensor:
+                golden: torch.Tensor, output: str) -> torch.Tensor:
     """|golden| for y, rstd and the sum; `_norm.gradient_scale` for the gradients."""
     if not opdef.name.endswith("backward") or not golden.numel():
         return golden.abs()

@@ -234,7 +234,7 @@ def _backward_sweep(log: bool) -> Callable[..., object]:
 
 def _softmax_scale(log: bool) -> Callable[..., object]:
     def scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-              golden: torch.Tensor) -> torch.Tensor:
+              golden: torch.Tensor, output: str) -> torch.Tensor:
         """Rounding z = x - max and the sum at float32 moves y by eps |z| relative
         (softmax), or by eps (|z| + |log sum| + 1) absolute (log_softmax: the sum's own
         rounding is an absolute error of eps in its log)."""
@@ -252,7 +252,7 @@ def _softmax_scale(log: bool) -> Callable[..., object]:
 
 def _gradient_scale(log: bool) -> Callable[..., object]:
     def scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
-              golden: torch.Tensor) -> torch.Tensor:
+              golden: torch.Tensor, output: str) -> torch.Tensor:
         """The row sum cancels: its float32 error is eps sum|terms|, which reaches dx as
         y eps (|grad| + sum|grad y|) (softmax) or eps (|grad| + exp(y) sum|grad|)."""
         grad, y = inputs[0], inputs[1]

@@ -155,7 +155,8 @@ def golden_of(opdef: OpDef, case: Case) -> tuple[list[torch.Tensor], list[torch.
     full_attrs = opdef.bind_attrs(case.attrs)
     outputs = opdef.reference_fn(*wide, compute_dtype=torch.float64, **full_attrs)
     goldens = list(outputs) if isinstance(outputs, tuple) else [outputs]
-    scales = [opdef.error_scale(opdef, wide, full_attrs, g) for g in goldens]
+    scales = [opdef.error_scale(opdef, wide, full_attrs, g, out.name)
+              for g, out in zip(goldens, opdef.outputs)]
     return goldens, scales
 
 

@@ -1,0 +1,128 @@
+"""LayerNorm: the data that breaks E[x^2] - E[x]^2, both variants, multi-dim normalized
+shapes, gradients (deterministic weight and bias gradients), the module and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import opforge
+import opforge.nn
+from opforge.core.hardware import get_profile
+from opforge.core.opdef import Case
+
+from .conftest import DEVICE, assert_golden
+
+LAYER_NORM = opforge.get_op("layer_norm")
+BACKWARD = opforge.get_op("layer_norm_backward")
+SMALL = dataclasses.replace(get_profile("h200"), name="small", onchip_bytes=16 * 1024)
+PROFILES = {"small": "looped", "cpu": "rows"}
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0,
+       seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_offset_data_that_breaks_the_naive_variance(profile):
+    """For 1e4 + N(0, 1) in float32, E[x^2] - E[x]^2 subtracts two numbers near 1e8 whose
+    float32 rounding error (~8) exceeds the variance (~1): the naive rstd is wrong by more
+    than 10% or NaN (checked below). opforge's two-pass / Chan variance keeps rstd within
+    1e-4 relative and y within 2 eps * 1e4 = 2.4e-3 of the golden: the limit is the float32
+    rounding of the mean near 1e4, which x - mean inherits."""
+    x = (torch.randn(8, 4097, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+         + 1e4).float().to(DEVICE)
+    wide = x.double()
+    golden = torch.nn.functional.layer_norm(wide, (4097,))
+    naive_var = (x * x).mean(-1) - x.mean(-1) ** 2
+    true_var = wide.var(-1, unbiased=False)
+    naive_error = ((naive_var.double() - true_var) / true_var).abs()
+    assert (naive_error > 0.1).any() or naive_var.isnan().any() or (naive_var <= 0).any()
+    with opforge.use_backend("triton"), opforge.use_hardware(
+            SMALL if profile == "small" else profile):
+        plan = opforge.plan(LAYER_NORM, x, None, None)
+        assert plan.tiling.variant == PROFILES[profile]
+        y, mean, rstd = plan.run(x, None, None)
+    assert (y.double() - golden).abs().max() < 2 * 2.0**-23 * 1e4
+    assert ((rstd.double() - 1 / (true_var + 1e-5).sqrt()) / rstd.double()).abs().max() < 1e-4
+    assert_golden(LAYER_NORM, Case("offset", (x, None, None)), (y, mean, rstd))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_variants_forward_and_backward(profile, dtype):
+    x, grad = _x(5, 3001, dtype=dtype, scale=2.0), _x(5, 3001, dtype=dtype, seed=1)
+    weight, bias = _x(3001, dtype=dtype, seed=2), _x(3001, dtype=dtype, seed=3)
+    with opforge.use_backend("triton"), opforge.use_hardware(
+            SMALL if profile == "small" else profile):
+        plan = opforge.plan(LAYER_NORM, x, weight, bias)
+        assert plan.tiling.variant == PROFILES[profile]
+        y, mean, rstd = plan.run(x, weight, bias)
+        backward = opforge.plan(BACKWARD, grad, x, mean, rstd, weight, bias)
+        assert backward.workspace_bytes == 2 * 4 * backward.grid[0] * 3001
+        grads = backward.run(grad, x, mean, rstd, weight, bias)
+    assert_golden(LAYER_NORM, Case("rows", (x, weight, bias)), (y, mean, rstd))
+    assert_golden(BACKWARD, Case("rows", (grad, x, mean, rstd, weight, bias)), grads)
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_autograd_matches_torch(affine, backend):
+    x = _x(4, 3, 20, scale=3.0).requires_grad_()
+    weight = _x(3, 20, seed=1).requires_grad_() if affine != "none" else None
+    bias = _x(3, 20, seed=2).requires_grad_() if affine == "both" else None
+    upstream = _x(4, 3, 20, seed=3)
+    params = [t for t in (x, weight, bias) if t is not None]
+    got = torch.autograd.grad(opforge.layer_norm(x, (3, 20), weight, bias), params, upstream)
+    wide = [t.detach().double().requires_grad_() for t in params]
+    theirs = torch.nn.functional.layer_norm(wide[0], (3, 20), *(wide[1:] + [None] * 2)[:2])
+    expected = torch.autograd.grad(theirs, wide, upstream.double())
+    for g, e in zip(got, expected, strict=True):
+        assert (g.double() - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_gradcheck_in_float64():
+    x = _x(3, 9).double().requires_grad_()
+    weight, bias = _x(9, seed=1).double().requires_grad_(), _x(9, seed=2).double()
+    assert torch.autograd.gradcheck(
+        lambda a, w, b: opforge.layer_norm(a, 9, w, b, 1e-3), (x, weight,
+                                                               bias.requires_grad_()))
+
+
+def test_weight_and_bias_gradients_are_deterministic():
+    grad, x = _x(257, 129), _x(257, 129, seed=1)
+    weight, bias = _x(129, seed=2), _x(129, seed=3)
+    mean, rstd = x.mean(-1), torch.rsqrt(x.var(-1, unbiased=False) + 1e-5)
+    with opforge.use_backend("triton"), opforge.use_hardware(SMALL):
+        first = torch.ops.opforge.layer_norm_backward(grad, x, mean, rstd, weight, bias)
+        second = torch.ops.opforge.layer_norm_backward(grad, x, mean, rstd, weight, bias)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_module_is_a_drop_in_for_torch():
+    torch.manual_seed(0)
+    for shape, affine, bias in (((16,), True, True), ((4, 8), True, False),
+                                (16, False, True)):
+        ours = opforge.nn.LayerNorm(shape, 1e-5, affine, bias)
+        theirs = torch.nn.LayerNorm(shape, 1e-5, affine, bias)
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        assert ours.extra_repr() == theirs.extra_repr()
+        for parameter in theirs.parameters():
+            parameter.data.normal_()
+        ours.load_state_dict(theirs.state_dict())
+        x = _x(3, 4, 8) if shape == (4, 8) else _x(3, 5, 16)
+        assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_errors_come_before_any_kernel():
+    with pytest.raises(opforge.AttrError, match="normalized_shape"):
+        opforge.layer_norm(_x(3, 4), (5,))
+    with pytest.raises(opforge.ShapeError, match="bias"):
+        opforge.layer_norm(_x(3, 4), 4, _x(4), _x(5))
+    with pytest.raises(opforge.AttrError, match="eps"):
+        opforge.layer_norm(_x(3, 4), 4, eps=-1.0)
+    with pytest.raises(opforge.ShapeError, match="rstd"):
+        torch.ops.opforge.layer_norm_backward(_x(3, 4), _x(3, 4), _x(3), _x(4), None, None)
