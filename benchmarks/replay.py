@@ -4,10 +4,12 @@ Replays a deterministic, seeded sequence of operator calls whose shapes change f
 call, as an LLM serving loop sees them: activations of shape ``(batch * seq, hidden)`` with
 ``seq`` drawn from a fixed set of lengths. Every step runs the chain
 
-    y = broadcast_add(x, bias, alpha) -> gelu(y) -> sigmoid(y) -> reduce_sum(y, dims=(0,))
+    y = broadcast_add(x, bias, alpha) -> gelu(y) -> sigmoid(y)
+      -> (n, rstd) = rms_norm(y, w) -> (g, gw) = rms_norm_backward(n, y, rstd, w)
+      -> reduce_sum(g, dims=(0,))
 
-(four calls), so ``--calls 1000`` is 250 steps. The same sequence is timed, side by side and
-interleaved repeat by repeat, in these modes:
+(six calls; ``w`` is the bias vector), so ``--calls 1000`` is 166 steps. The same
+sequence is timed, side by side and interleaved repeat by repeat, in these modes:
 
 * opforge ``plan(...).run(...)`` with the plan/tiling caches and the workspace pool, from a
   cold start (``clear_caches()`` before each repeat) and again warm (caches kept);
@@ -56,7 +58,8 @@ BATCHES = (1, 2, 4)
 ALPHA = 0.5
 GELU_APPROXIMATE = "none"
 REDUCE_DIMS = (0,)
-CALLS_PER_STEP = 4
+CALLS_PER_STEP = 6
+RMS_EPS = 1e-6
 # Environment variables that change what opforge does, recorded with the results.
 OPFORGE_ENV = ("TRITON_INTERPRET", "OPFORGE_BACKEND", "OPFORGE_PLAN_CACHE_SIZE",
                "OPFORGE_HARDWARE", "OPFORGE_POISON")
@@ -113,7 +116,10 @@ def step_plan_run(x: torch.Tensor, bias: torch.Tensor) -> None:
     y = opforge.plan("broadcast_add", x, bias, alpha=ALPHA).run(x, bias)
     y = opforge.plan("gelu", y, approximate=GELU_APPROXIMATE).run(y)
     y = opforge.plan("sigmoid", y).run(y)
-    opforge.plan("reduce_sum", y, dims=REDUCE_DIMS).run(y)
+    normed, rstd = opforge.plan("rms_norm", y, bias, eps=RMS_EPS).run(y, bias)
+    grad, _ = opforge.plan("rms_norm_backward", normed, y, rstd, bias,
+                           eps=RMS_EPS).run(normed, y, rstd, bias)
+    opforge.plan("reduce_sum", grad, dims=REDUCE_DIMS).run(grad)
 
 
 def step_functional(x: torch.Tensor, bias: torch.Tensor) -> None:
@@ -121,7 +127,9 @@ def step_functional(x: torch.Tensor, bias: torch.Tensor) -> None:
     y = opforge.broadcast_add(x, bias, ALPHA)
     y = opforge.gelu(y, GELU_APPROXIMATE)
     y = opforge.sigmoid(y)
-    opforge.reduce_sum(y, REDUCE_DIMS)
+    normed, rstd = torch.ops.opforge.rms_norm(y, bias, RMS_EPS)
+    grad, _ = torch.ops.opforge.rms_norm_backward(normed, y, rstd, bias, RMS_EPS)
+    opforge.reduce_sum(grad, REDUCE_DIMS)
 
 
 def step_eager(x: torch.Tensor, bias: torch.Tensor) -> None:
@@ -129,7 +137,14 @@ def step_eager(x: torch.Tensor, bias: torch.Tensor) -> None:
     y = torch.add(x, bias, alpha=ALPHA)
     y = functional.gelu(y, approximate=GELU_APPROXIMATE)
     y = torch.sigmoid(y)
-    y.sum(REDUCE_DIMS)
+    normed = functional.rms_norm(y, y.shape[-1:], bias, RMS_EPS)
+    # RMSNorm's backward in eager ops (what autograd would run), from the saved rstd.
+    rstd = torch.rsqrt(y.square().mean(-1, keepdim=True) + RMS_EPS)
+    x_hat = y * rstd
+    g = normed * bias
+    grad = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    (normed * x_hat).sum(0)
+    grad.sum(REDUCE_DIMS)
 
 
 def step_plan_only(x: torch.Tensor, bias: torch.Tensor) -> None:
@@ -139,6 +154,9 @@ def step_plan_only(x: torch.Tensor, bias: torch.Tensor) -> None:
     opforge.plan("broadcast_add", x, bias, alpha=ALPHA)
     opforge.plan("gelu", x, approximate=GELU_APPROXIMATE)
     opforge.plan("sigmoid", x)
+    rstd = x[:, 0].float()  # a float32 row vector, as rms_norm's rstd (a small copy)
+    opforge.plan("rms_norm", x, bias, eps=RMS_EPS)
+    opforge.plan("rms_norm_backward", x, x, rstd, bias, eps=RMS_EPS)
     opforge.plan("reduce_sum", x, dims=REDUCE_DIMS)
 
 
@@ -296,7 +314,8 @@ def configuration(args: argparse.Namespace, workload: Workload) -> dict[str, Any
         "calls": workload.calls,
         "steps": len(workload.shapes),
         "chain": f"broadcast_add(x, bias, alpha={ALPHA}) -> gelu(approximate="
-                 f"{GELU_APPROXIMATE!r}) -> sigmoid -> reduce_sum(dims={REDUCE_DIMS})",
+                 f"{GELU_APPROXIMATE!r}) -> sigmoid -> rms_norm(eps={RMS_EPS}) -> "
+                 f"rms_norm_backward -> reduce_sum(dims={REDUCE_DIMS})",
         "seed": args.seed,
         "hidden": args.hidden,
         "dtype": args.dtype,
@@ -387,9 +406,9 @@ def markdown(sections: Sequence[Section], env: dict[str, str], config: dict[str,
             lines += ["", "The torch backend needs no workspace, so its workspace requests "
                           "are 0 by design; the triton run exercises the pool."]
         elif section.device == "cpu":
-            lines += ["", "Triton's interpreter runs these kernels on the CPU at about ten "
-                          "milliseconds a launch: only the plan-only times and the counters "
-                          "of this table are meaningful."]
+            lines += ["", "Triton's interpreter runs these kernels on the CPU, at milliseconds "
+                          "to a tenth of a second a launch: only the plan-only times and the "
+                          "counters of this table are meaningful."]
     lines += [
         "", "How to read it:", "",
         "* µs/call: wall time of one whole replay divided by its calls (host time; on a GPU "
@@ -405,8 +424,10 @@ def markdown(sections: Sequence[Section], env: dict[str, str], config: dict[str,
         "tilings are keyed by power-of-two shape buckets, so nearby shapes share one.",
         "* plan only: `opforge.plan(...)` alone, the Aclnn-style GetWorkspaceSize phase.",
         "* workspace allocs / requests: `workspace_stats()` counters of the replay; "
-        "requests come from `reduce_sum` over dim 0 when the triton backend splits the "
-        "reduction.",
+        "requests come from `rms_norm_backward` (its grad_weight partials) and from "
+        "`reduce_sum` over dim 0 when the triton backend splits the reduction. Without the "
+        "pool every request would be an allocation: 1 - allocs / requests is the share the "
+        "pool saves.",
     ]
     return "\n".join(lines) + "\n"
 
