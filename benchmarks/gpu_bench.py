@@ -11,7 +11,8 @@ dim) in bfloat16 at large sizes, this script
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
 4. times softmax, log_softmax and rms_norm forward + backward against torch eager,
-   torch.compile and Liger-Kernel (when installed);
+   torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
+   8192³, fp32 4096³) against cuBLAS and torch.compile in TFLOP/s;
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
    run of the same plan (for ``broadcast_add``, a split ``reduce_sum`` and a long-row
@@ -29,6 +30,7 @@ measurement errors.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -171,6 +173,56 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS),
                elementwise_bytes + n * item),
     ]
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+MATMUL_SHAPES = ((4096, torch.bfloat16), (8192, torch.bfloat16), (4096, torch.float32))
+
+
+def matmul_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
+                ) -> list[Row]:
+    """Square matmuls (bf16 4096^3 and 8192^3, fp32 4096^3 without tf32): opforge against
+    torch.matmul (cuBLAS) and torch.compile, after a correctness check. GB/s is replaced by
+    TFLOP/s (2 n^3 / time) in the ``gb_per_s`` column and the ratio to cuBLAS in
+    ``fraction_of_copy``."""
+    rows = []
+    generator = torch.Generator(device=device).manual_seed(2)
+    for n, dtype in MATMUL_SHAPES:
+        shape, name = f"{n}x{n}x{n}", _dtype_text(dtype)
+        try:
+            a = torch.randn(n, n, generator=generator, device=device, dtype=dtype)
+            b = torch.randn(n, n, generator=generator, device=device, dtype=dtype)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            expected = torch.matmul(a, b)
+            actual = opforge.matmul(a, b)
+            scale = (a.float().abs() @ b.float().abs()).max().item()
+            diff = max_abs_diff(actual, expected)
+            eps = torch.finfo(dtype).eps
+            rows.append(Row("check", "matmul", shape, name, "opforge vs torch.matmul",
+                            max_abs_diff=diff, status="ok" if diff <= 4 * eps * scale
+                            else "FAIL", detail=f"bound 4 eps * max(|a||b|) = "
+                                                f"{4 * eps * scale:.3g}"))
+            impls = [("opforge", functools.partial(opforge.matmul, a, b)),
+                     ("torch.matmul (cuBLAS)", functools.partial(torch.matmul, a, b))]
+            if compile_peers:
+                compiled = torch.compile(_product, dynamic=False)
+                impls.append(("torch.compile", functools.partial(compiled, a, b)))
+            timings = {}
+            for impl, call in impls:
+                call()
+                torch.cuda.synchronize()
+                timings[impl] = bench_us(call, warmup_ms, rep_ms)
+            cublas = timings["torch.matmul (cuBLAS)"]
+            for impl, us in timings.items():
+                rows.append(Row("time", "matmul", shape, name, impl, us, None,
+                                2 * n**3 / (us * 1e-6) / 1e12, cublas / us,
+                                detail="TFLOP/s; ratio to cuBLAS"))
+        except Exception as error:  # reported; the next shape still runs
+            rows.append(_error_row("time", "matmul", shape, name, "opforge", error))
+    return rows
 
 
 def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
@@ -431,7 +483,10 @@ def markdown(rows: Sequence[Row], env: dict[str, str], config: dict[str, Any]) -
         "the host path (torch.ops dispatch, plan-cache lookup, output allocation); when it "
         "is slower than \"opforge plan.run(out=)\", host overhead is not hidden behind the "
         "previous kernel. The graph rows' diff vs torch comes from summation order "
-        "(reduce_sum) and is informational; the check is replay == ordinary run.",
+        "(reduce_sum) and is informational; the check is replay == ordinary run. "
+        "matmul rows are compute-bound: their GB/s column holds TFLOP/s (2 n³ / time) and "
+        "their \"of copy bw\" column the speed relative to torch.matmul (cuBLAS), with "
+        "float32 run without tf32 on both sides.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -507,6 +562,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_row(row)
             rows.append(row)
         torch.cuda.empty_cache()
+    for row in matmul_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms):
+        _print_row(row)
+        rows.append(row)
     for row in graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
         _print_row(row)
         rows.append(row)

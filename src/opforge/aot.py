@@ -135,7 +135,7 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
     # The launch path checks that CPU tensors may run Triton kernels; recording needs that
     # check to pass even though nothing is interpreted.
     with mock.patch.object(JITFunction, "run", record), \
-            mock.patch.object(backends, "interpreter_enabled", lambda: True), \
+            mock.patch.object(backends, "_triton_refusal", lambda device: None), \
             backends.use_backend("triton"), use_hardware(hardware):
         for op in ops:
             current.append(op.name)

@@ -13,6 +13,7 @@ import torch
 import opforge.ops.broadcast_add
 import opforge.ops.gelu
 import opforge.ops.layer_norm
+import opforge.ops.matmul
 import opforge.ops.reduce_sum
 import opforge.ops.rms_norm
 import opforge.ops.sigmoid
@@ -144,3 +145,15 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     if isinstance(normalized_shape, int):
         normalized_shape = [normalized_shape]
     return torch.ops.opforge.layer_norm(x, weight, bias, list(normalized_shape), eps)[0]
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> torch.Tensor:
+    """``a @ b`` with ``torch.matmul``'s rules (1-D operands promoted and the added dim
+    dropped, batch dims broadcast), float32 accumulation, output in the operands' dtype.
+    float32 products use tf32 on GPUs only with ``allow_tf32=True``.
+
+    Raises:
+        ShapeError: a 0-d operand, mismatched inner dims, or batch dims that do not
+            broadcast. DtypeError: operands of different or unsupported dtypes.
+    """
+    return torch.ops.opforge.matmul(a, b, allow_tf32)

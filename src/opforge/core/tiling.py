@@ -38,8 +38,9 @@ def gpu_warps(elements: int, hardware: HardwareProfile) -> int | None:
 
 
 def launch_options(tiling: object) -> dict[str, int]:
-    """The GPU-only launch options of a tiling: ``num_warps`` from its ``warps`` option,
-    which `gpu_warps` sets for CUDA profiles only, so that kernels planned for other
-    devices never receive them (the interpreter ignores them)."""
-    warps = getattr(tiling, "options", {}).get("warps")
-    return {} if warps is None else {"num_warps": warps}
+    """The GPU-only launch options of a tiling: ``num_warps`` from its ``warps`` option and
+    ``num_stages`` from ``stages``, which tilings set for CUDA profiles only, so that
+    kernels planned for other devices never receive them (the interpreter ignores them)."""
+    options = getattr(tiling, "options", {})
+    chosen = {"num_warps": options.get("warps"), "num_stages": options.get("stages")}
+    return {key: value for key, value in chosen.items() if value is not None}

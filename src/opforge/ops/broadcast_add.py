@@ -15,7 +15,7 @@ import torch
 
 from opforge.core.errors import ShapeError
 from opforge.core.opdef import Attr, Attrs, Case, PrecisionSpec, Specs, TensorArg
-from opforge.core.shapes import broadcast_dims, broadcast_shapes, is_unknown_rank
+from opforge.core.shapes import broadcast_shapes, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops._elementwise import (
     MAX_DIMS,
@@ -23,6 +23,7 @@ from opforge.ops._elementwise import (
     launch_elementwise,
     random_input,
 )
+from opforge.ops.reduce_sum import sum_to_shape
 from opforge.precision.cases import generate
 
 try:
@@ -135,19 +136,12 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor
     ctx.alpha = alpha
 
 
-def _sum_to(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-            scale: float) -> torch.Tensor:
-    dims = broadcast_dims(shape, tuple(grad.shape))
-    summed = torch.ops.opforge.reduce_sum(grad, list(dims), True, scale)
-    return summed.reshape(shape).to(dtype)
-
-
 @BROADCAST_ADD.autograd(_setup_context)
 def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """grad_a = sum of grad over a's broadcast dims; grad_b = alpha * the same for b."""
     (a_shape, a_dtype), (b_shape, b_dtype) = ctx.specs
-    grad_a = _sum_to(grad, a_shape, a_dtype, 1.0) if ctx.needs_input_grad[0] else None
-    grad_b = _sum_to(grad, b_shape, b_dtype, ctx.alpha) if ctx.needs_input_grad[1] else None
+    grad_a = sum_to_shape(grad, a_shape, a_dtype, 1.0) if ctx.needs_input_grad[0] else None
+    grad_b = sum_to_shape(grad, b_shape, b_dtype, ctx.alpha) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None
 
 

@@ -32,7 +32,7 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
-from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank, normalize_dims
+from opforge.core.shapes import UNKNOWN_RANK, broadcast_dims, is_unknown_rank, normalize_dims
 from opforge.core.tiling import (
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
@@ -331,3 +331,16 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, None
 
 
 register_op(REDUCE_SUM)
+
+
+# ---------------------------------------------------------------------------------------------
+# For other operators' backward
+
+
+def sum_to_shape(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                 scale: float = 1.0) -> torch.Tensor:
+    """``scale *`` the sum of ``grad`` over the dims it was broadcast along from ``shape``
+    (the gradient of a broadcast input), in ``dtype``, through `reduce_sum`."""
+    dims = broadcast_dims(shape, tuple(grad.shape))
+    summed = torch.ops.opforge.reduce_sum(grad, list(dims), True, scale)
+    return summed.reshape(shape).to(dtype)

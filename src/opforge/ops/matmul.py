@@ -1,0 +1,341 @@
+"""Matmul with ``torch.matmul``'s rules and float32 accumulation.
+
+``matmul(a, b, allow_tf32=False)``: 1-D operands are promoted (``a`` to a row, ``b`` to a
+column) and the added dim dropped from the result; batch dims broadcast; both operands must
+have one dtype, which the result has. Tiles of ``BLOCK_M x BLOCK_K`` and ``BLOCK_K x
+BLOCK_N`` accumulate in float32 through ``tl.dot``; float32 inputs use IEEE products unless
+``allow_tf32`` (then the tensor cores' tf32, ~10 mantissa bits per product). Output tiles
+are visited in groups of ``GROUP_M`` rows so that neighbouring programs share ``b`` tiles in
+the L2 cache. The tiling picks block sizes from M, N, K and the `HardwareProfile` (smaller
+blocks for skinny problems, the on-chip budget for the pipelined stages).
+
+Under Triton's interpreter the operands are widened to float32 before ``tl.dot`` (it has
+no bf16 dot); compiled, bf16/fp16 operands go to the tensor cores as they are.
+
+The backward is two matmuls through this operator, ``grad_a = grad @ b^T`` and
+``grad_b = a^T @ grad``, each summed over the batch dims its operand was broadcast along.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core import backends
+from opforge.core.errors import DtypeError, ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    AutocastPolicy,
+    Case,
+    Cost,
+    KnownLimitation,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.shapes import UNKNOWN_RANK, broadcast_shapes, is_unknown_rank
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.library import register_op
+from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops.reduce_sum import sum_to_shape
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+NAME = "matmul"
+GROUP_M = 8
+
+
+def _operands(a: Sequence[int], b: Sequence[int]) -> tuple[tuple[int, ...], int, int, int]:
+    """(broadcast batch shape, M, K, N) of ``a @ b`` (1-D operands promoted).
+
+    Raises:
+        ShapeError: a 0-d operand, K mismatch, or batch dims that do not broadcast.
+    """
+    if not a or not b:
+        raise ShapeError("operands must have at least one dim", op=NAME,
+                         param="a" if not a else "b", expected="a tensor of 1+ dims",
+                         got=tuple(a) if not a else tuple(b))
+    a2 = (1, *a) if len(a) == 1 else tuple(a)
+    b2 = (*b, 1) if len(b) == 1 else tuple(b)
+    if a2[-1] != b2[-2]:
+        raise ShapeError("inner dims differ", op=NAME, param="b",
+                         expected=f"{a2[-1]} rows (a has {a2[-1]} columns)", got=tuple(b))
+    batch = broadcast_shapes(a2[:-2], b2[:-2], op=NAME, names=("a", "b"))
+    return tuple(batch), a2[-2], a2[-1], b2[-1]
+
+
+def _output_shape(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
+    batch, m, _, n = _operands(a, b)
+    return (*batch, *((m,) if len(a) > 1 else ()), *((n,) if len(b) > 1 else ()))
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    a, b = inputs
+    if a.dtype != b.dtype:
+        raise DtypeError("must have a's dtype", op=NAME, param="b",
+                         expected=str(a.dtype).removeprefix("torch."),
+                         got=str(b.dtype).removeprefix("torch."))
+    if not (is_unknown_rank(a.shape) or is_unknown_rank(b.shape)):
+        _operands(a.shape, b.shape)
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    a, b = inputs
+    if is_unknown_rank(a.shape) or is_unknown_rank(b.shape):
+        return [UNKNOWN_RANK]
+    return [_output_shape(a.shape, b.shape)]
+
+
+def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype]
+
+
+def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    batch, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
+    count = math.prod(batch)
+    item = inputs[0].itemsize
+    return Cost(flops=2 * count * m * n * k,
+                bytes_moved=item * (inputs[0].numel + inputs[1].numel + count * m * n))
+
+
+def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+            ) -> list[Tiling]:
+    """Block sizes from the problem and the device: 128-wide output tiles for large
+    problems, narrower ones for skinny M or N, ``BLOCK_K`` 64 for 16-bit inputs (32 for
+    float32); ``stages`` buffers of both operand tiles must fit on chip."""
+    _, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
+    item = inputs[0].itemsize
+    block_m = min(128, max(16, next_power_of_2(m)))
+    block_n = min(128, max(16, next_power_of_2(n)))
+    block_k = min(64 if item <= 2 else 32, max(16, next_power_of_2(k)))
+    gpu = hardware.device_type == "cuda"
+    candidates = []
+    for stages in ((4, 3, 2) if gpu else (1,)):
+        onchip = stages * (block_m + block_n) * block_k * item + block_m * block_n * 4
+        candidates.append(Tiling(
+            "tiles", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
+            onchip, double_buffered=False,
+            options={"warps": gpu_warps(block_m * block_n // 2, hardware) if gpu else None,
+                     "stages": stages if gpu else None}))
+    # Smaller tiles for devices whose on-chip memory holds none of the above.
+    while block_m > 16 or block_n > 16:
+        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+        candidates.append(Tiling(
+            "tiles", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
+            (block_m + block_n) * block_k * item + block_m * block_n * 4,
+            double_buffered=False))
+    return candidates
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    batch, m, _, n = _operands(inputs[0].shape, inputs[1].shape)
+    tiles = cdiv(m, tiling.blocks["BLOCK_M"]) * cdiv(n, tiling.blocks["BLOCK_N"])
+    return (max(1, min(tiles, MAX_PROGRAMS)), max(1, min(math.prod(batch), MAX_PROGRAMS)))
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int) -> torch.Tensor:
+        return random_input(shape, dtype, device, generator, scale=1.0)
+
+    return [
+        Case("33x17_17x9", (x(33, 17), x(17, 9))),
+        Case("batch_broadcast", (x(2, 1, 5, 7), x(3, 7, 4))),
+        Case("vector_vector", (x(65), x(65))),
+        Case("matrix_vector", (x(9, 70), x(70))),
+        Case("vector_batch", (x(12), x(3, 12, 5))),
+        Case("k_1", (x(20, 1), x(1, 30))),
+        Case("transposed", (x(40, 24).t(), x(40, 33))),
+        Case("k_300", (x(17, 300), x(300, 130))),
+        Case("tile_129x64x130", (x(129, 64), x(64, 130))),
+        Case("zero_k", (x(4, 0), x(0, 6))),
+        Case("zero_m", (x(0, 8), x(8, 6))),
+    ]
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """a drawn from the kind (its last dim is K: 65537 for long rows), b normal with 5
+    columns."""
+    a = generate(kind, shape, dtype, device=device, generator=generator)
+    b = generate("normal", (a.shape[-1], 5), dtype, device=device, generator=generator)
+    return [Case("", (a, b))]
+
+
+def _abs_product_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                       golden: torch.Tensor, output: str) -> torch.Tensor:
+    """|a| @ |b|: a dot product's rounding error is relative to its terms' magnitudes, not
+    to the (possibly cancelled) result."""
+    a, b = inputs
+    return torch.matmul(a.abs(), b.abs()).reshape(golden.shape)
+
+
+def _torch_matmul(a: torch.Tensor, b: torch.Tensor, allow_tf32: bool) -> torch.Tensor:
+    """torch.matmul"""
+    return torch.matmul(a, b)
+
+
+MATMUL = OpDef(
+    name=NAME, doc="a @ b with torch.matmul's rules, float32 accumulation.",
+    inputs=(TensorArg("a"), TensorArg("b")), outputs=(OutputArg("out"),),
+    attrs=(Attr("allow_tf32", "bool", False, doc="float32 products in tf32 on GPUs"),),
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
+    tiling=_tiling, grid=_grid, samples=_samples, autocast=AutocastPolicy.LOWER,
+    error_scale=_abs_product_scale,
+    precision=PrecisionSpec("ulp", peer=_torch_matmul, sweep=_sweep, known_limitations=(
+        KnownLimitation(
+            "Dot products accumulate in float32: partial sums of products near float32's "
+            "maximum overflow to Inf although the exact result is finite; torch.matmul's "
+            "float32 accumulation overflows alike.", case="large_*", failures="*NaN/Inf*"),
+    )))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+@MATMUL.reference
+def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
+              allow_tf32: bool) -> torch.Tensor:
+    """``torch.matmul`` in ``compute_dtype``."""
+    return torch.matmul(a.to(compute_dtype), b.to(compute_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _operand(ptrs, mask, UPCAST: tl.constexpr):
+        # Tensor cores take 16-bit operands as they are; the interpreter's dot needs float32.
+        if UPCAST:
+            return widen(tl.load(ptrs, mask=mask, other=0.0))
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)  # dot operand, kept in its dtype
+
+    @triton.jit
+    def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_ab, stride_am, stride_ak,
+                       stride_bb, stride_bk, stride_bn, UPCAST: tl.constexpr,
+                       PRECISION: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        batch = tl.program_id(1)
+        if WIDE:
+            batch = batch.to(tl.int64)
+        a_ptr += batch * stride_ab
+        b_ptr += batch * stride_bb
+        c_ptr += batch * M * N
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+            # Grouped order: GROUP rows of tiles share the b tiles they read.
+            group = tile // (GROUP * tiles_n)
+            first_m = group * GROUP
+            group_rows = tl.minimum(tiles_m - first_m, GROUP)
+            tile_m = first_m + (tile % (GROUP * tiles_n)) % group_rows
+            tile_n = (tile % (GROUP * tiles_n)) // group_rows
+            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            if WIDE:
+                rows = rows.to(tl.int64)
+                cols = cols.to(tl.int64)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                a = _operand(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                             (rows < M)[:, None] & (ks < K)[None, :], UPCAST)
+                b = _operand(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                             (ks < K)[:, None] & (cols < N)[None, :], UPCAST)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            tl.store(c_ptr + rows[:, None] * N + cols[None, :], rounded_for(acc, c_ptr),
+                     mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands as ``(batch, rows, cols)`` over the broadcast batch: views with
+    stride-0 batch dims where the layout allows, copies otherwise."""
+    a2 = a.unsqueeze(0) if a.ndim == 1 else a
+    b2 = b.unsqueeze(-1) if b.ndim == 1 else b
+    batch, m, k, n = _operands(tuple(a.shape), tuple(b.shape))
+    count = math.prod(batch)
+    return (a2.expand(*batch, m, k).reshape(count, m, k),
+            b2.expand(*batch, k, n).reshape(count, k, n))
+
+
+@MATMUL.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """One program per output tile (persistently), ``program_id(1)`` the batch index;
+    batches past the grid limit are launched in chunks."""
+    a, b = _batched(inputs[0], inputs[1])
+    count, m, k = a.shape
+    n = b.shape[-1]
+    out = outputs[0].view(count, m, n)
+    if k == 0:
+        out.zero_()
+        return
+    reach = max(1 + sum((size - 1) * abs(stride)
+                        for size, stride in zip(t.shape, t.stride())) for t in (a, b, out))
+    wide = reach > INT32_LIMIT
+    upcast = backends.interpreter_enabled()
+    precision = "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32 else "ieee"
+    tiling = plan.tiling
+    for start in range(0, count, MAX_PROGRAMS):
+        chunk = slice(start, min(count, start + MAX_PROGRAMS))
+        sub_a, sub_b, sub_out = a[chunk], b[chunk], out[chunk]
+        grid = (plan.grid[0], sub_a.shape[0])
+        _matmul_kernel[grid](sub_a, sub_b, sub_out, m, n, k, *sub_a.stride(), *sub_b.stride(),
+                             UPCAST=upcast, PRECISION=precision, WIDE=wide, GROUP=GROUP_M,
+                             **tiling.blocks, **launch_options(tiling))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+    a, b, allow_tf32 = inputs
+    ctx.save_for_backward(a, b)
+    ctx.allow_tf32 = allow_tf32
+
+
+@MATMUL.autograd(_setup_context)
+def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """grad_a = grad @ b^T and grad_b = a^T @ grad through this operator, summed over the
+    dims each operand was broadcast along (1-D operands promoted and squeezed back)."""
+    a, b = ctx.saved_tensors
+    a2 = a.unsqueeze(0) if a.ndim == 1 else a
+    b2 = b.unsqueeze(-1) if b.ndim == 1 else b
+    batch, m, _, n = _operands(tuple(a.shape), tuple(b.shape))
+    grad2 = grad.reshape(*batch, m, n)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        full = torch.ops.opforge.matmul(grad2, b2.mT, ctx.allow_tf32)
+        grad_a = sum_to_shape(full, tuple(a2.shape), a.dtype).reshape(a.shape)
+    if ctx.needs_input_grad[1]:
+        full = torch.ops.opforge.matmul(a2.mT, grad2, ctx.allow_tf32)
+        grad_b = sum_to_shape(full, tuple(b2.shape), b.dtype).reshape(b.shape)
+    return grad_a, grad_b, None
+
+
+register_op(MATMUL)

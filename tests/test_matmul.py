@@ -1,0 +1,133 @@
+"""Matmul: torch.matmul's shape rules, float32 accumulation at K = 8192 in float16,
+gradients through broadcast and 1-D operands, tf32 only on request, nn.Linear, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opforge
+import opforge.nn
+from opforge.core.opdef import Case
+
+from .conftest import DEVICE, assert_golden
+
+MATMUL = opforge.get_op("matmul")
+SHAPES = [((5,), (5,)), ((3, 5), (5,)), ((5,), (5, 4)), ((2, 3, 5), (5,)), ((7,), (2, 7, 3)),
+          ((2, 1, 3, 5), (4, 5, 6)), ((1, 5), (3, 5, 2)), ((0, 5), (5, 2)), ((3, 0), (0, 2))]
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("a_shape, b_shape", SHAPES, ids=str)
+def test_shapes_follow_torch_matmul(a_shape, b_shape, backend):
+    a, b = _x(*a_shape), _x(*b_shape, seed=1)
+    out = opforge.matmul(a, b)
+    assert out.shape == torch.matmul(a, b).shape
+    assert_golden(MATMUL, Case("shape", (a, b)), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_long_k_accumulates_in_float32(dtype, backend):
+    """K = 8192 products summed in the operands' 16-bit dtype would drift by sqrt(K) eps16
+    per output (measured below for float16 as a foil: over 20 float16 ulps off). opforge
+    accumulates in float32 and rounds once: within 1 eps of the output dtype relative to
+    sum |a||b| (max_eps <= 1), and within 1 ulp of the golden for most elements."""
+    a, b = _x(16, 8192, dtype=dtype), _x(8192, 16, dtype=dtype, seed=1)
+    golden = a.double() @ b.double()
+    out = opforge.matmul(a, b)
+    assert_golden(MATMUL, Case("k_8192", (a, b)), out)
+    if dtype == torch.float16:
+        naive = torch.zeros(16, 16, dtype=torch.float16)
+        for start in range(0, 8192, 512):   # 16-bit running sums, as a 16-bit accumulator
+            naive = (naive + (a[:, start:start + 512].float()
+                              @ b[start:start + 512].float()).half())
+        ulp = torch.finfo(dtype).eps * golden.abs().clamp_min(1.0)
+        assert ((naive.double() - golden).abs() / ulp).max() > 2
+    ulp = torch.finfo(dtype).eps * golden.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((out.double() - golden).abs() <= ulp).double().mean() > 0.99
+
+
+@pytest.mark.parametrize("a_shape, b_shape", SHAPES[:7], ids=str)
+def test_gradients_match_torch(a_shape, b_shape, backend):
+    a = _x(*a_shape).requires_grad_()
+    b = _x(*b_shape, seed=1).requires_grad_()
+    upstream = _x(*torch.matmul(a, b).shape, seed=2)
+    got = torch.autograd.grad(opforge.matmul(a, b), (a, b), upstream)
+    wide = [t.detach().double().requires_grad_() for t in (a, b)]
+    expected = torch.autograd.grad(torch.matmul(*wide), wide, upstream.double())
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape
+        assert (g.double() - e).abs().max() <= 1e-5 * max(e.abs().max(), 1.0)
+
+
+def test_gradcheck_in_float64():
+    a = _x(2, 3, 4).double().requires_grad_()
+    b = _x(4, 5, seed=1).double().requires_grad_()
+    assert torch.autograd.gradcheck(opforge.matmul, (a, b))
+
+
+def test_tf32_only_on_request(monkeypatch):
+    """float32 products are IEEE by default; allow_tf32 asks for tf32 (which only a GPU's
+    compiled kernel honours)."""
+    from opforge.ops import matmul as module
+
+    seen = []
+    kernel = module._matmul_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["PRECISION"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_matmul_kernel", Spy())
+    a, b = _x(8, 16), _x(16, 8, seed=1)
+    with opforge.use_backend("triton"):
+        opforge.matmul(a, b)
+        opforge.matmul(a, b, allow_tf32=True)
+        opforge.matmul(a.half(), b.half(), allow_tf32=True)
+    assert seen == ["ieee", "tf32", "ieee"]
+
+
+def test_tiling_follows_the_problem_and_the_device():
+    a, b = _x(4096, 4096, dtype=torch.bfloat16), _x(4096, 4096, dtype=torch.bfloat16)
+    skinny = _x(4, 4096, dtype=torch.bfloat16)
+    with opforge.use_backend("triton"), opforge.use_hardware("h200"):
+        big = opforge.plan(MATMUL, a, b).tiling
+        small = opforge.plan(MATMUL, skinny, b).tiling
+    assert big.blocks == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    assert big.options["stages"] >= 2 and big.options["warps"] >= 4
+    assert small.blocks["BLOCK_M"] == 16
+    with opforge.use_backend("triton"), opforge.use_hardware("cpu"):
+        assert opforge.plan(MATMUL, a, b).tiling.options["stages"] is None
+
+
+def test_linear_is_a_drop_in_for_torch():
+    torch.manual_seed(0)
+    ours, theirs = opforge.nn.Linear(12, 5), torch.nn.Linear(12, 5)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert ours.extra_repr() == theirs.extra_repr()
+    ours.load_state_dict(theirs.state_dict())
+    x = _x(3, 4, 12)
+    assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+    (ours(x).sum()).backward()
+    (theirs(x).sum()).backward()
+    assert torch.allclose(ours.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ours.bias.grad, theirs.bias.grad, rtol=1e-5, atol=1e-5)
+    assert opforge.nn.Linear(3, 2, bias=False).bias is None
+
+
+def test_errors_come_before_any_kernel():
+    with pytest.raises(opforge.ShapeError, match="inner"):
+        opforge.matmul(_x(3, 4), _x(5, 2))
+    with pytest.raises(opforge.ShapeError):
+        opforge.matmul(torch.tensor(1.0), _x(3))
+    with pytest.raises(opforge.ShapeError):
+        opforge.matmul(_x(2, 3, 4), _x(3, 4, 5))
+    with pytest.raises(opforge.DtypeError, match="dtype"):
+        opforge.matmul(_x(3, 4), _x(4, 2, dtype=torch.float16))
