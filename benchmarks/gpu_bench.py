@@ -1,7 +1,7 @@
 """GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
 
-For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax and rms_norm (last
-dim) in bfloat16 at large sizes, this script
+For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax, layer_norm and
+rms_norm (last dim) in bfloat16 at large sizes, this script
 
 1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
 2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
@@ -10,7 +10,8 @@ dim) in bfloat16 at large sizes, this script
 3. reports achieved bandwidth, bytes read + written / time, and its fraction of the measured
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
-4. times softmax, log_softmax and rms_norm forward + backward against torch eager,
+4. times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
+   eager,
    torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
    8192³, fp32 4096³) against cuBLAS and torch.compile in TFLOP/s;
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
@@ -133,6 +134,7 @@ def _log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 RMS_EPS = 1e-6
+LN_EPS = 1e-5
 
 
 def _liger(op: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -144,6 +146,10 @@ def _liger(op: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tens
         if op == "rms_norm":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
             return lambda x: LigerRMSNormFunction.apply(x, weight, RMS_EPS)
+        if op == "layer_norm":
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+            bias = torch.zeros_like(weight)
+            return lambda x: LigerLayerNormFunction.apply(x, weight, bias, LN_EPS)
     except ImportError:
         return None
     return None
@@ -168,6 +174,10 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
         OpCase("softmax", shape, (x,), {}, opforge.softmax, _softmax, elementwise_bytes),
         OpCase("log_softmax", shape, (x,), {}, opforge.log_softmax, _log_softmax,
                elementwise_bytes),
+        OpCase("layer_norm", shape, (x, weight, bias), {"eps": LN_EPS},
+               lambda t, w, b: opforge.layer_norm(t, t.shape[-1], w, b, LN_EPS),
+               lambda t, w, b: functional.layer_norm(t, t.shape[-1:], w, b, LN_EPS),
+               elementwise_bytes + 2 * n * item),
         OpCase("rms_norm", shape, (x, weight), {"eps": RMS_EPS},
                lambda t, w: opforge.rms_norm(t, w, RMS_EPS),
                lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS),
@@ -242,7 +252,9 @@ def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: to
             ("softmax", opforge.softmax, _softmax),
             ("log_softmax", opforge.log_softmax, _log_softmax),
             ("rms_norm", lambda t: opforge.rms_norm(t, weight, RMS_EPS),
-             lambda t: functional.rms_norm(t, t.shape[-1:], weight, RMS_EPS))):
+             lambda t: functional.rms_norm(t, t.shape[-1:], weight, RMS_EPS)),
+            ("layer_norm", lambda t: opforge.layer_norm(t, t.shape[-1], weight, None, LN_EPS),
+             lambda t: functional.layer_norm(t, t.shape[-1:], weight, None, LN_EPS))):
         impls = [("opforge", ours), ("torch eager", eager)]
         if compile_peers:
             impls.append(("torch.compile", torch.compile(eager, dynamic=False)))

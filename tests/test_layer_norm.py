@@ -47,7 +47,11 @@ def test_offset_data_that_breaks_the_naive_variance(profile):
         plan = opforge.plan(LAYER_NORM, x, None, None)
         assert plan.tiling.variant == PROFILES[profile]
         y, mean, rstd = plan.run(x, None, None)
-    assert (y.double() - golden).abs().max() < 2 * 2.0**-23 * 1e4
+    ours_error = (y.double() - golden).abs().max().item()
+    assert ours_error < 2 * 2.0**-23 * 1e4
+    # No worse than torch's own float32 layer_norm on the same inputs (both reported).
+    torch_error = (torch.nn.functional.layer_norm(x, (4097,)).double() - golden).abs().max()
+    assert ours_error <= 1.5 * torch_error.item(), (ours_error, torch_error.item())
     assert ((rstd.double() - 1 / (true_var + 1e-5).sqrt()) / rstd.double()).abs().max() < 1e-4
     assert_golden(LAYER_NORM, Case("offset", (x, None, None)), (y, mean, rstd))
 

@@ -49,6 +49,10 @@ def test_long_k_accumulates_in_float32(dtype, backend):
         assert ((naive.double() - golden).abs() / ulp).max() > 2
     ulp = torch.finfo(dtype).eps * golden.abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((out.double() - golden).abs() <= ulp).double().mean() > 0.99
+    # No worse than torch.matmul on the same inputs (both errors reported).
+    ours_error = (out.double() - golden).abs().max().item()
+    torch_error = (torch.matmul(a, b).double() - golden).abs().max().item()
+    assert ours_error <= torch_error * 1.01 + 1e-12, (ours_error, torch_error)
 
 
 @pytest.mark.parametrize("a_shape, b_shape", SHAPES[:7], ids=str)

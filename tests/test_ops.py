@@ -259,3 +259,38 @@ def test_bfloat16_conversions_are_exact_in_every_range():
         assert torch.equal(out.nan_to_num(), expected.nan_to_num()), (source, target)
         numbers = ~expected.isnan()
         assert torch.equal(out[numbers].signbit(), expected[numbers].signbit())
+
+
+ROW_SHAPES = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
+
+
+@given(shape=ROW_SHAPES, scale=st.floats(0.01, 100), data=st.data(),
+       dtype=st.sampled_from(LOW_PRECISION), backend=st.sampled_from(("torch", "triton")))
+def test_row_operators_property(shape, scale, data, dtype, backend):
+    """softmax/log_softmax over any dim, layer_norm and rms_norm over the last dim, with and
+    without affine parameters, match the golden for any shape and scale."""
+    x = (torch.randn(shape, generator=_generator(sum(shape))) * scale).to(DEVICE, dtype)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    width = shape[-1]
+    weight = data.draw(st.sampled_from((None, torch.randn(width, generator=_generator(1)))))
+    weight = None if weight is None else weight.to(DEVICE, dtype)
+    cases = [("softmax", (x,), {"dim": dim}), ("log_softmax", (x,), {"dim": dim}),
+             ("rms_norm", (x, weight), {}), ("layer_norm", (x, weight, weight), {})]
+    with opforge.use_backend(backend):
+        for name, inputs, attrs in cases:
+            op = opforge.get_op(name)
+            out = opforge.plan(op, *inputs, **attrs).run(*inputs)
+            assert_golden(op, Case("prop", inputs, attrs), out)
+
+
+@given(m=st.integers(1, 40), k=st.integers(0, 70), n=st.integers(1, 40),
+       batch=st.lists(st.integers(1, 3), max_size=2).map(tuple),
+       dtype=st.sampled_from(LOW_PRECISION), backend=st.sampled_from(("torch", "triton")))
+def test_matmul_property(m, k, n, batch, dtype, backend):
+    generator = _generator(m * 100 + k + n)
+    a = torch.randn((*batch, m, k), generator=generator).to(DEVICE, dtype)
+    b = torch.randn((k, n), generator=generator).to(DEVICE, dtype)
+    with opforge.use_backend(backend):
+        out = opforge.matmul(a, b)
+    assert out.shape == (*batch, m, n)
+    assert_golden(opforge.get_op("matmul"), Case("prop", (a, b)), out)

@@ -66,6 +66,12 @@ def test_values_near_the_float16_maximum(dtype, backend):
     y, rstd = opforge.plan(RMS_NORM, x, weight).run(x, weight)
     assert_golden(RMS_NORM, Case("near_max", (x, weight)), (y, rstd))
     assert torch.isfinite(y).all()
+    # No worse than torch's own rms_norm on the same inputs (both errors reported).
+    golden = torch.nn.functional.rms_norm(x.double(), (1000,), weight.double(), 1e-6)
+    theirs = torch.nn.functional.rms_norm(x, (1000,), weight, 1e-6)
+    ours_error = (y.double() - golden).abs().max().item()
+    torch_error = (theirs.double() - golden).abs().max().item()
+    assert ours_error <= torch_error * 1.01 + torch.finfo(dtype).eps, (ours_error, torch_error)
 
 
 @pytest.mark.parametrize("with_weight", [True, False])

@@ -127,6 +127,34 @@ def test_compile_backward():
     torch.testing.assert_close(grads, (a.grad, b.grad), rtol=0, atol=0)
 
 
+def _block(x, w, gamma):
+    """A transformer-ish block over the row operators and matmul."""
+    hidden = opforge.layer_norm(x, x.shape[-1], gamma, gamma)
+    scores = opforge.softmax(opforge.matmul(hidden, w), -1)
+    normed, total = opforge.add_rms_norm(scores, opforge.log_softmax(scores, 0), None)
+    return opforge.rms_norm(normed + total, None)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_row_operators_and_matmul(dynamic, backend):
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(3)
+    compiled = torch.compile(_block, fullgraph=True, dynamic=dynamic)
+    for rows in (5, 9):
+        x = torch.randn(rows, 12, generator=generator).requires_grad_()
+        w = torch.randn(12, 7, generator=generator).requires_grad_()
+        gamma = torch.randn(12, generator=generator).requires_grad_()
+        out = compiled(x, w, gamma)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (x, w, gamma)]
+        for t in (x, w, gamma):
+            t.grad = None
+        expected = _block(x, w, gamma)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(grads, [t.grad for t in (x, w, gamma)], rtol=0, atol=0)
+
+
 def test_export():
     class Block(torch.nn.Module):
         def forward(self, a, b):
