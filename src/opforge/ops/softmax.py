@@ -498,6 +498,15 @@ if triton is not None:
                      mask=mask)
 
     @triton.jit
+    def _gradient_block(grad_ptr, y_ptr, row, offsets, mask, stride_gm, stride_gn, stride_ym,
+                        stride_yn):
+        """(grad, y) of one block of a row, in float32."""
+        grad = widen(tl.load(grad_ptr + row * stride_gm + offsets * stride_gn, mask=mask,
+                             other=0.0))
+        y = widen(tl.load(y_ptr + row * stride_ym + offsets * stride_yn, mask=mask, other=0.0))
+        return grad, y
+
+    @triton.jit
     def _softmax_backward_chunk_sums_kernel(grad_ptr, y_ptr, partial_ptr, M, N, stride_gm,
                                             stride_gn, stride_ym, stride_yn,
                                             blocks_per_split, LOG: tl.constexpr,
@@ -515,10 +524,8 @@ if triton is not None:
                 if WIDE:
                     offsets = offsets.to(tl.int64)
                 mask = offsets < N
-                grad = widen(tl.load(grad_ptr + row * stride_gm + offsets * stride_gn,
-                                     mask=mask, other=0.0))
-                y = widen(tl.load(y_ptr + row * stride_ym + offsets * stride_yn, mask=mask,
-                                  other=0.0))
+                grad, y = _gradient_block(grad_ptr, y_ptr, row, offsets, mask, stride_gm,
+                                          stride_gn, stride_ym, stride_yn)
                 acc += _row_term(grad, y, LOG)
             tl.store(partial_ptr + row * splits + split, tl.sum(acc, axis=0))
 
@@ -543,10 +550,8 @@ if triton is not None:
                 if WIDE:
                     offsets = offsets.to(tl.int64)
                 mask = offsets < N
-                grad = widen(tl.load(grad_ptr + row * stride_gm + offsets * stride_gn,
-                                     mask=mask, other=0.0))
-                y = widen(tl.load(y_ptr + row * stride_ym + offsets * stride_yn, mask=mask,
-                                  other=0.0))
+                grad, y = _gradient_block(grad_ptr, y_ptr, row, offsets, mask, stride_gm,
+                                          stride_gn, stride_ym, stride_yn)
                 dx = _grad_input(grad, y, total, LOG)
                 tl.store(out_ptr + row * N + offsets, rounded_for(dx, out_ptr), mask=mask)
 
