@@ -82,13 +82,20 @@ def tiling(geometry: Geometry, streams: int) -> Callable[..., list[Tiling]]:
     return choose
 
 
-def grid(geometry: Geometry) -> Callable[..., tuple[int, ...]]:
-    """A persistent grid over row blocks."""
+# Backward programs per core: each program owns a row of float32 weight/bias partials (the
+# workspace, then read again by the final sum), so fewer programs move fewer bytes; two a
+# core still overlap one program's loads with the other's arithmetic.
+BACKWARD_PROGRAMS_PER_CORE = 2
+
+
+def grid(geometry: Geometry, per_core: int = PROGRAMS_PER_CORE
+         ) -> Callable[..., tuple[int, ...]]:
+    """A persistent grid over row blocks, ``per_core`` programs per core at most."""
     def choose(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
                hardware: HardwareProfile) -> tuple[int, ...]:
         rows, _ = geometry(inputs, attrs)
         blocks = cdiv(rows, tiling.blocks["BLOCK_M"])
-        return (max(1, min(blocks, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
+        return (max(1, min(blocks, hardware.core_count * per_core, MAX_PROGRAMS)),)
     return choose
 
 

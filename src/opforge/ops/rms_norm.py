@@ -264,7 +264,7 @@ RMS_NORM_BACKWARD = OpDef(
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight")), attrs=(EPS,),
     infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1),
-    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry),
+    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
     workspace=norm.backward_workspace(_geometry, _partial_sets), samples=_backward_samples,
     error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm_backward,
