@@ -18,7 +18,7 @@ from opforge.core.opdef import Case, OpDef
 from opforge.precision.metrics import compare_tensors
 from opforge.precision.verify import EPS_BOUNDS, golden_of, rounded_range
 
-settings.register_profile("ci", max_examples=12, deadline=None,
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=40, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

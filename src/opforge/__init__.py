@@ -39,6 +39,7 @@ from opforge.functional import (
     matmul,
     reduce_sum,
     rms_norm,
+    rope,
     sigmoid,
     softmax,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "profile_for",
     "reduce_sum",
     "rms_norm",
+    "rope",
     "set_plan_cache",
     "set_poison",
     "sigmoid",

@@ -16,6 +16,7 @@ import opforge.ops.layer_norm
 import opforge.ops.matmul
 import opforge.ops.reduce_sum
 import opforge.ops.rms_norm
+import opforge.ops.rope
 import opforge.ops.sigmoid
 import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
 
@@ -157,3 +158,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> tor
             broadcast. DtypeError: operands of different or unsupported dtypes.
     """
     return torch.ops.opforge.matmul(a, b, allow_tf32)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "half"
+         ) -> torch.Tensor:
+    """Rotary position embedding over the last dim of ``x`` (even): ``"half"`` (GPT-NeoX),
+    ``"interleave"`` (GPT-J / DeepSeek complex pairs) or ``"interleave_half"`` (CANN's form,
+    de-interleaved output). ``cos``/``sin`` have x's last dim, broadcast over its leading
+    dims, and are laid out ``[θ0 … θ(d/2−1), θ0 … θ(d/2−1)]`` for ``"half"`` and
+    ``"interleave_half"``, ``[θ0, θ0, θ1, θ1, …]`` for ``"interleave"``
+    (`opforge.ops.rope.rope_tables` builds them). Same shape and dtype as ``x``.
+
+    Raises:
+        ShapeError: an odd last dim, or tables that do not match x. AttrError: bad mode.
+        DtypeError: unsupported dtype.
+    """
+    return torch.ops.opforge.rope(x, cos, sin, mode)

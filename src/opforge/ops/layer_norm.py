@@ -199,8 +199,8 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
                  golden: torch.Tensor, output: str) -> torch.Tensor:
-    """Subtracting a float32 mean moves x - mean by eps |x|: y is judged against
-    |y| + rstd |x| |weight|; the mean, a sum, against mean |x|; rstd against
+    """Subtracting a float32 mean moves x - mean by eps (|x| + mean|x|): y is judged against
+    |y| + rstd (|x| + mean|x|) |weight| + |bias|; the mean, a sum, against mean |x|; rstd against
     rstd (1 + mean|x| rstd); the gradients by `_norm.gradient_scale` plus the same
     eps |x| rstd shift of x_hat."""
     backward = opdef.name.endswith("backward")
@@ -221,8 +221,12 @@ def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Att
     mean, rstd = mean.double().reshape(-1, 1), rstd.double().reshape(-1, 1)
     weight = inputs[4] if backward else inputs[1]
     if output == "y":
+        # x - mean carries the mean's rounding, eps mean|x|, besides eps |x|; and
+        # x_hat * weight + bias cancels where the bias opposes (eps |bias|).
         scale_w = weight.reshape(1, -1).abs() if weight is not None else 1.0
-        return golden.abs() + (rows_x.abs() * rstd * scale_w).reshape(golden.shape)
+        bias = inputs[2].reshape(1, -1).abs() if inputs[2] is not None else 0.0
+        spread = rows_x.abs() + rows_x.abs().mean(-1, keepdim=True)
+        return golden.abs() + (spread * rstd * scale_w + bias).reshape(golden.shape)
     grad = inputs[0].reshape(-1, cols)
     x_hat = (rows_x - mean) * rstd
     g = grad * (weight.reshape(1, -1) if weight is not None else 1.0)

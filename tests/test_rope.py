@@ -1,0 +1,117 @@
+"""RoPE: each mode against an independent formulation, the relation between the CANN and
+DeepSeek forms, relative-position invariance, broadcast tables, gradients, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opforge
+from opforge.core.opdef import Case
+from opforge.ops.rope import MODES, rope_tables
+
+from .conftest import DEVICE, assert_golden
+
+ROPE = opforge.get_op("rope")
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(DEVICE, dtype)
+
+
+def _tables(positions: torch.Tensor, d: int, mode: str, dtype: torch.dtype = torch.float32):
+    cos, sin = rope_tables(positions, d, mode)
+    return cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)
+
+
+def test_interleave_is_complex_multiplication(backend):
+    """GPT-J / DeepSeek: adjacent pairs are complex numbers multiplied by e^(i theta)."""
+    x = _x(2, 5, 16)
+    cos, sin = _tables(torch.arange(5), 16, "interleave")
+    angles = torch.atan2(sin[:, 0::2].double(), cos[:, 0::2].double())
+    expected = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (8, 2)))
+                                  * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+    out = opforge.rope(x, cos, sin, "interleave")
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_half_is_the_neox_rotation(backend):
+    x = _x(3, 7, 32)
+    cos, sin = _tables(torch.arange(7), 32, "half")
+    wide = x.double()
+    rotated = torch.cat([-wide[..., 16:], wide[..., :16]], -1)
+    expected = wide * cos.double() + rotated * sin.double()
+    assert (opforge.rope(x, cos, sin).double() - expected).abs().max() < 1e-5
+
+
+def test_interleave_half_is_deepseek_rope_deinterleaved(backend):
+    """CANN's interleave_half output equals DeepSeek's interleaved rotation with its evens
+    then its odds (the same values in a fixed permutation, so q . k is preserved)."""
+    x = _x(4, 9, 64)
+    cos_h, sin_h = _tables(torch.arange(9), 64, "interleave_half")
+    cos_i, sin_i = _tables(torch.arange(9), 64, "interleave")
+    cann = opforge.rope(x, cos_h, sin_h, "interleave_half")
+    deepseek = opforge.rope(x, cos_i, sin_i, "interleave")
+    assert torch.equal(cann, torch.cat([deepseek[..., 0::2], deepseek[..., 1::2]], -1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scores_depend_only_on_relative_position(mode, backend):
+    """<rope(q, m), rope(k, n)> is a function of m - n: shifting both positions by 1000
+    changes the score by float32 rounding only."""
+    q, k = _x(1, 64, dtype=torch.float64).float(), _x(1, 64, seed=1)
+    scores = []
+    for offset in (0, 1000):
+        cos_q, sin_q = _tables(torch.tensor([offset + 7]), 64, mode)
+        cos_k, sin_k = _tables(torch.tensor([offset + 3]), 64, mode)
+        scores.append((opforge.rope(q, cos_q, sin_q, mode).double()
+                       @ opforge.rope(k, cos_k, sin_k, mode).double().T).item())
+    assert abs(scores[0] - scores[1]) < 1e-4 * max(abs(scores[0]), 1.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("table_shape", ["seq", "batch_seq", "full"])
+def test_broadcast_tables_match_the_golden(mode, table_shape, backend):
+    x = _x(2, 3, 5, 8, dtype=torch.bfloat16)
+    cos, sin = _tables(torch.arange(5), 8, mode, torch.bfloat16)
+    if table_shape == "batch_seq":      # (B, 1, S, d): expanded over heads (a copy)
+        cos, sin = cos.expand(2, 1, 5, 8).clone(), sin.expand(2, 1, 5, 8).clone()
+    elif table_shape == "full":
+        cos, sin = cos.expand(x.shape).clone(), sin.expand(x.shape).clone()
+    out = opforge.rope(x, cos, sin, mode)
+    assert_golden(ROPE, Case("broadcast", (x, cos, sin), {"mode": mode}), out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_is_the_exact_transpose(mode, backend):
+    """With arbitrary (not rotation) tables the backward must still be the transpose."""
+    x = _x(3, 4, 10).requires_grad_()
+    cos, sin = _x(4, 10, seed=1), _x(4, 10, seed=2)
+    upstream = _x(3, 4, 10, seed=3)
+    (got,) = torch.autograd.grad(opforge.rope(x, cos, sin, mode), x, upstream)
+    wide = x.detach().double().requires_grad_()
+    expected_y = ROPE.reference_fn(wide, cos.double(), sin.double(),
+                                   compute_dtype=torch.float64, mode=mode)
+    (expected,) = torch.autograd.grad(expected_y, wide, upstream.double())
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_gradcheck_in_float64():
+    x = _x(2, 6).double().requires_grad_()
+    cos, sin = _x(6, seed=1).double(), _x(6, seed=2).double()
+    for mode in MODES:
+        assert torch.autograd.gradcheck(lambda t, m=mode: opforge.rope(t, cos, sin, m), (x,))
+
+
+def test_errors_come_before_any_kernel():
+    with pytest.raises(opforge.ShapeError, match="even"):
+        opforge.rope(_x(3, 5), _x(5), _x(5))
+    with pytest.raises(opforge.ShapeError, match="last dim"):
+        opforge.rope(_x(3, 6), _x(4), _x(4))
+    with pytest.raises(opforge.ShapeError, match="cos's shape"):
+        opforge.rope(_x(3, 6), _x(6), _x(3, 6))
+    with pytest.raises(opforge.ShapeError):
+        opforge.rope(_x(3, 6), _x(4, 6), _x(4, 6))
+    with pytest.raises(opforge.AttrError, match="mode"):
+        opforge.rope(_x(3, 6), _x(6), _x(6), "neox")
