@@ -370,6 +370,14 @@ if triton is not None:
         return tl.where(m == float("-inf"), 0.0, m)
 
     @triton.jit
+    def _block_offsets(block, cols, N, WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(column offsets, in-row mask) of one BLOCK_N block of a row."""
+        offsets = block * BLOCK_N + cols
+        if WIDE:
+            offsets = offsets.to(tl.int64)
+        return offsets, offsets < N
+
+    @triton.jit
     def _softmax_rows_kernel(x_ptr, out_ptr, M, N, stride_xm, stride_xn,
                              LOG: tl.constexpr, WIDE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -407,11 +415,9 @@ if triton is not None:
             running_sum = 0.0
             first = split * blocks_per_split
             for block in range(first, first + blocks_per_split):
-                offsets = block * BLOCK_N + cols
-                if WIDE:
-                    offsets = offsets.to(tl.int64)
+                offsets, mask = _block_offsets(block, cols, N, WIDE, BLOCK_N)
                 x = widen(tl.load(x_ptr + row * stride_xm + offsets * stride_xn,
-                                  mask=offsets < N, other=float("-inf")))
+                                  mask=mask, other=float("-inf")))
                 new_max = tl.maximum(running_max, tl.max(x, axis=0))
                 shift = _safe(new_max)
                 # The online softmax: the sum so far was taken against the old max.
@@ -449,10 +455,7 @@ if triton is not None:
             log_total = tl.log(total)
             first = split * blocks_per_split
             for block in range(first, first + blocks_per_split):
-                offsets = block * BLOCK_N + cols
-                if WIDE:
-                    offsets = offsets.to(tl.int64)
-                mask = offsets < N
+                offsets, mask = _block_offsets(block, cols, N, WIDE, BLOCK_N)
                 x = widen(tl.load(x_ptr + row * stride_xm + offsets * stride_xn, mask=mask,
                                   other=float("-inf")))
                 if LOG:
@@ -520,10 +523,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             first = split * blocks_per_split
             for block in range(first, first + blocks_per_split):
-                offsets = block * BLOCK_N + cols
-                if WIDE:
-                    offsets = offsets.to(tl.int64)
-                mask = offsets < N
+                offsets, mask = _block_offsets(block, cols, N, WIDE, BLOCK_N)
                 grad, y = _gradient_block(grad_ptr, y_ptr, row, offsets, mask, stride_gm,
                                           stride_gn, stride_ym, stride_yn)
                 acc += _row_term(grad, y, LOG)
@@ -546,10 +546,7 @@ if triton is not None:
                                    other=0.0), axis=0)
             first = split * blocks_per_split
             for block in range(first, first + blocks_per_split):
-                offsets = block * BLOCK_N + cols
-                if WIDE:
-                    offsets = offsets.to(tl.int64)
-                mask = offsets < N
+                offsets, mask = _block_offsets(block, cols, N, WIDE, BLOCK_N)
                 grad, y = _gradient_block(grad_ptr, y_ptr, row, offsets, mask, stride_gm,
                                           stride_gn, stride_ym, stride_yn)
                 dx = _grad_input(grad, y, total, LOG)
