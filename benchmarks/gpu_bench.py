@@ -10,7 +10,9 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
 3. reports achieved bandwidth, bytes read + written / time, and its fraction of the measured
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
-4. times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
+4. times bf16 attention (MHA at head dims 64/128/256, causal, GQA) forward and forward +
+   backward against torch SDPA in TFLOP/s, after checking out, dq, dk and dv against it;
+   times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
    eager,
    torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
    8192³, fp32 4096³) against cuBLAS and torch.compile in TFLOP/s;
@@ -281,6 +283,78 @@ def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: to
     return rows
 
 
+# (B, H, Hkv, S, D, causal): MHA at head dims 64, 128 and 256, causal at 4k and 8k, GQA 4:1.
+ATTENTION_SHAPES = ((4, 16, 16, 4096, 64, False), (4, 16, 16, 4096, 128, False),
+                    (4, 16, 16, 4096, 128, True), (2, 16, 16, 8192, 128, True),
+                    (4, 32, 8, 4096, 128, True), (2, 8, 8, 4096, 256, False))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    # Sq == Sk here, so SDPA's top-left causal mask equals opforge's bottom-right one.
+    return functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                   enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _opforge_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                       ) -> torch.Tensor:
+    return opforge.attention(q, k, v, causal=causal)
+
+
+def _forward_backward(call: Callable[..., torch.Tensor], leaves: Sequence[torch.Tensor],
+                      upstream: torch.Tensor, causal: bool) -> Any:
+    return torch.autograd.grad(call(*leaves, causal), leaves, upstream)
+
+
+def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Row]:
+    """bf16 attention, forward and forward + backward, opforge against torch SDPA (its
+    fastest backend on the device, FlashAttention-2 or cuDNN), after a check of out, dq, dk
+    and dv against SDPA's (max error relative to the largest magnitude, bound 2e-2).
+    TFLOP/s by FlashAttention's convention: forward 4 B H S² D (halved when causal),
+    forward + backward 3.5 times that; the ``fraction_of_copy`` column holds the speed
+    relative to SDPA."""
+    rows = []
+    generator = torch.Generator(device=device).manual_seed(3)
+    for b, h, hkv, s, d, causal in ATTENTION_SHAPES:
+        shape = f"B{b} H{h}/{hkv} S{s} D{d}{' causal' if causal else ''}"
+        try:
+            q = torch.randn(b, h, s, d, generator=generator, device=device,
+                            dtype=torch.bfloat16)
+            k, v = (torch.randn(b, hkv, s, d, generator=generator, device=device,
+                                dtype=torch.bfloat16) for _ in range(2))
+            upstream = torch.randn_like(q)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            ours = _opforge_attention(*leaves, causal)
+            ours_grads = _forward_backward(_opforge_attention, leaves, upstream, causal)
+            theirs = _sdpa(*leaves, causal)
+            their_grads = _forward_backward(_sdpa, leaves, upstream, causal)
+            worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
+                        for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
+            rows.append(Row("check", "attention", shape, "bf16", "opforge vs SDPA (out, dq, "
+                            "dk, dv)", max_abs_diff=worst,
+                            status="ok" if worst <= 2e-2 else "FAIL",
+                            detail="max |diff| / max |SDPA|, bound 2e-2"))
+            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            timings: dict[str, dict[str, float]] = {"fwd": {}, "fwd+bwd": {}}
+            for impl, call in (("opforge", _opforge_attention), ("torch SDPA", _sdpa)):
+                with torch.no_grad():
+                    timings["fwd"][impl] = bench_us(functools.partial(call, q, k, v, causal),
+                                                    warmup_ms, rep_ms)
+                timings["fwd+bwd"][impl] = bench_us(
+                    functools.partial(_forward_backward, call, leaves, upstream, causal),
+                    warmup_ms, rep_ms)
+            for mode, per_impl in timings.items():
+                work = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+                for impl, us in per_impl.items():
+                    rows.append(Row("time", f"attention {mode}", shape, "bf16", impl, us,
+                                    None, work / (us * 1e-6) / 1e12,
+                                    per_impl["torch SDPA"] / us,
+                                    detail="TFLOP/s; ratio to SDPA"))
+            torch.cuda.empty_cache()
+        except Exception as error:  # reported; the next shape still runs
+            rows.append(_error_row("time", "attention", shape, "bf16", "opforge", error))
+    return rows
+
+
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest ``|actual - expected|``, computed in float32."""
     return (actual.float() - expected.float()).abs().max().item()
@@ -530,6 +604,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--copy-mib", type=int, default=1024,
                         help="size of the copy-bandwidth buffer (MiB)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--skip-attention", action="store_true",
+                        help="skip the attention timings")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -556,6 +632,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_row(rows[0])
     copy_gb_s = rows[0].gb_per_s
     assert copy_gb_s is not None
+    if not args.skip_attention:
+        for row in attention_rows(device, args.warmup_ms, args.rep_ms):
+            _print_row(row)
+            rows.append(row)
     # One compiled function per operator: a new shape recompiles (dynamic=False), which
     # gives inductor's best kernel for each size, as a static-shape deployment would get.
     compiled: dict[str, Callable[..., torch.Tensor]] = {}

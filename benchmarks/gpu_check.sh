@@ -3,17 +3,22 @@
 #
 #     bash benchmarks/gpu_check.sh            # results in $OUT (default benchmarks/results/gpu)
 #
-# Steps: environment (env.txt), `opforge verify` on CUDA, benchmarks/gpu_bench.py,
-# benchmarks/replay.py. Each step's output goes to $OUT/<step>.log and its exit status to
-# $OUT/status.txt. A failing step does not stop the later ones (each measures something
-# different and the machine time is scarce); the script exits 1 if any step failed.
-# Per-step time limits keep the whole run within about 8 minutes; override them with
-# VERIFY_TIMEOUT, BENCH_TIMEOUT and REPLAY_TIMEOUT (seconds).
+# Steps: environment (env.txt), benchmarks/gpu_bench.py (attention first), the attention
+# precision study up to S = 16384, the attention and matmul tests, `opforge verify` of every
+# operator's samples on CUDA (Triton backend), benchmarks/replay.py. Each step's output goes
+# to <step>.log and its exit status to status.txt. A failing step does not stop the later
+# ones (each measures something different and the machine time is scarce); the script exits
+# 1 if any step failed. Per-step time limits keep the whole run within about 8 minutes;
+# override them with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT and
+# REPLAY_TIMEOUT (seconds). Everything is written under $OUT/run and packed at the end into
+# $OUT/gpu_results.tar.gz (the device tool returns at most 8 files), next to status.txt.
 set -euo pipefail
 
 OUT=${OUT:-benchmarks/results/gpu}
-PYTHON=${PYTHON:-python}
-export PYTHONPATH=src
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHONPATH=src:benchmarks PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
+FINAL=$OUT
+OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
@@ -53,13 +58,20 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 cat "$OUT/env.txt"
 record env "$rc" "$start"
 
-step verify "${VERIFY_TIMEOUT:-150}" "$PYTHON" -m opforge verify --device cuda \
-  --cases samples --report "$OUT/verify"
-step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT"
-step replay "${REPLAY_TIMEOUT:-120}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
+step gpu_bench "${BENCH_TIMEOUT:-200}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
+  --sizes 8192x8192
+step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
+  --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
+step tests "${TESTS_TIMEOUT:-60}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+  tests/test_attention.py tests/test_matmul.py
+step verify "${VERIFY_TIMEOUT:-120}" "$PYTHON" -m opforge verify --device cuda \
+  --backend triton --cases samples --report "$OUT/verify"
+step replay "${REPLAY_TIMEOUT:-30}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
 
 echo "=== summary"
 cat "$OUT/status.txt"
+cp "$OUT/status.txt" "$FINAL/status.txt"
+tar czf "$FINAL/gpu_results.tar.gz" -C "$OUT" . && rm -rf "$OUT"
 if [ "$failed" -ne 0 ]; then
   echo "$failed step(s) failed" >&2
   exit 1

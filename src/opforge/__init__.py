@@ -32,6 +32,8 @@ from opforge.core.plan import (
 from opforge.core.registry import get_op, list_ops
 from opforge.functional import (
     add_rms_norm,
+    attention,
+    attention_backward,
     broadcast_add,
     gelu,
     layer_norm,
@@ -60,6 +62,8 @@ __all__ = [
     "Tiling",
     "UnsupportedError",
     "add_rms_norm",
+    "attention",
+    "attention_backward",
     "broadcast_add",
     "cache_stats",
     "calibrate",

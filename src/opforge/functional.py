@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+import opforge.ops.attention
 import opforge.ops.broadcast_add
 import opforge.ops.gelu
 import opforge.ops.layer_norm
@@ -174,3 +175,49 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
         DtypeError: unsupported dtype.
     """
     return torch.ops.opforge.rope(x, cos, sin, mode)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None, return_lse: bool = False
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, flash-style (no ``Sq x Sk`` matrix in memory).
+
+    Args:
+        q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, one float
+            dtype, ``H`` a multiple of ``Hkv`` (grouped-query attention), ``D, Dv <= 256``.
+        causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (aligned to the bottom-right as
+            in FlashAttention and KV-cache decoding; torch's SDPA ``is_causal`` aligns
+            top-left, the same only when ``Sq == Sk``). A query that sees no key gets 0.
+        scale: score scale, ``1 / sqrt(D)`` when None.
+        return_lse: also return the float32 natural-log log-sum-exp of each query's scaled
+            scores, ``(B, H, Sq)`` (``-inf`` for a query that sees no key).
+
+    Returns:
+        ``out`` ``(B, H, Sq, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k,
+        v (and through lse).
+
+    Raises:
+        ShapeError: not 4-D, mismatched batch/lengths/head dims, heads not grouped, a head
+            dim above 256. DtypeError: q, k, v of different or unsupported dtypes.
+    """
+    out, lse = torch.ops.opforge.attention(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                       scale: float | None = None, grad_lse: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of `attention`, recomputed from the saved ``out`` and ``lse``.
+
+    With ``out`` and ``lse`` of the attention over all keys, ``k``/``v`` may be any block
+    of those keys: the result is that block's share of dq and its dk, dv (ring attention
+    sums the dq shares). ``causal`` then applies to the block's own positions
+    (``Sk - Sq`` offset). ``grad_lse``: the gradient reaching ``lse``, if any.
+
+    Raises:
+        ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
+            ``lse``/``grad_lse`` are not float32.
+    """
+    return torch.ops.opforge.attention_backward(dout, q, k, v, out, lse, grad_lse, causal,
+                                                scale)

@@ -58,6 +58,26 @@ if triton is not None:
             return x.to(ptr.dtype.element_ty)
 
     @triton.jit
+    def dot_operand(ptrs, mask, UPCAST: tl.constexpr):
+        """A block loaded for ``tl.dot``: in its storage dtype for the tensor cores, or
+        widened to float32 where the dot needs it (``UPCAST``: the interpreter's dot has no
+        bf16)."""
+        if UPCAST:
+            return widen(tl.load(ptrs, mask=mask, other=0.0))
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)  # dot operand, kept in its dtype
+
+    @triton.jit
+    def as_dot_operand(x, like_ptr, UPCAST: tl.constexpr):
+        """float32 ``x`` rounded to the element type of ``like_ptr`` to meet an operand of
+        that type in ``tl.dot`` (the probabilities of attention, say); widened back under
+        ``UPCAST`` so that the interpreter sees the same rounded values."""
+        if UPCAST:
+            return widen(rounded_for(x, like_ptr))
+        else:
+            return x.to(like_ptr.dtype.element_ty)
+
+    @triton.jit
     def sigmoid_pair(z):
         """(sigmoid(z), sigmoid(-z)) without overflow: exp is only taken of -|z|."""
         e = tl.exp(-tl.abs(z))

@@ -51,7 +51,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import rounded_for, widen
+    from opforge.ops._math import dot_operand, rounded_for
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -222,14 +222,6 @@ def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
 if triton is not None:
 
     @triton.jit
-    def _operand(ptrs, mask, UPCAST: tl.constexpr):
-        # Tensor cores take 16-bit operands as they are; the interpreter's dot needs float32.
-        if UPCAST:
-            return widen(tl.load(ptrs, mask=mask, other=0.0))
-        else:
-            return tl.load(ptrs, mask=mask, other=0.0)  # dot operand, kept in its dtype
-
-    @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_ab, stride_am, stride_ak,
                        stride_bb, stride_bk, stride_bn, UPCAST: tl.constexpr,
                        PRECISION: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr,
@@ -257,9 +249,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, K, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
-                a = _operand(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                a = dot_operand(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
                              (rows < M)[:, None] & (ks < K)[None, :], UPCAST)
-                b = _operand(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                b = dot_operand(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                              (ks < K)[:, None] & (cols < N)[None, :], UPCAST)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             mask = (rows < M)[:, None] & (cols < N)[None, :]

@@ -1,0 +1,891 @@
+"""Scaled dot-product attention, flash-style: ``attention(q, k, v, causal, scale)`` and
+its gradient ``attention_backward``.
+
+Layout ``[B, H, S, D]``: ``q`` is ``(B, H, Sq, D)``, ``k`` is ``(B, Hkv, Sk, D)``, ``v`` is
+``(B, Hkv, Sk, Dv)`` with ``H`` a multiple of ``Hkv`` (grouped-query attention: query
+head ``h`` reads key/value head ``h // (H / Hkv)``), ``D, Dv <= 256``. Outputs: ``out``
+``(B, H, Sq, Dv)`` in q's dtype and ``lse`` ``(B, H, Sq)`` float32, the natural-log
+log-sum-exp of each row of scaled scores.
+
+``causal`` masks aligned to the bottom-right: query ``i`` sees keys ``j <= i + Sk - Sq``
+(the last query sees every key, as in KV-cache decoding and FlashAttention). torch's
+``scaled_dot_product_attention(is_causal=True)`` aligns top-left (``j <= i``); the two agree
+only when ``Sq == Sk``. A query that sees no key (``Sq > Sk``, causal) gets ``out = 0`` and
+``lse = -inf``.
+
+Forward: each program holds a ``BLOCK_M`` block of queries and streams key/value blocks
+through an online softmax: float32 running max and sum, ``scale * log2(e)`` folded into
+one float32 multiply before ``exp2``, the probabilities rounded to v's dtype for the
+``P @ V`` product (the tensor cores' operand), float32 accumulation. No ``Sq x Sk`` matrix
+is ever stored. Blocks entirely visible skip the mask; only blocks crossing the causal
+diagonal or the sequence end apply it.
+
+Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
+out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
+query block and every query head of its group (no atomics: deterministic), and one kernel
+per query block accumulates ``dq``. With ``P = exp(S - lse)`` and ``dS = P * (dP -
+delta)``, the formulas hold for any key subset as long as ``out`` and ``lse`` are those of
+the full attention: the ring attention runs this backward on one key block at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core import backends
+from opforge.core.errors import DtypeError, ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.shapes import is_unknown_rank
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, launch_options, next_power_of_2
+from opforge.library import register_op
+from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import as_dot_operand, dot_operand, rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+MAX_HEAD_DIM = 256
+LOG2_E = 1.4426950408889634
+CAUSAL = Attr("causal", "bool", False, doc="mask keys after i + Sk - Sq (bottom-right)")
+SCALE = Attr("scale", "float", None, doc="score scale; None: 1 / sqrt(D)")
+
+
+def _shapes(q: object, k: object, v: object, op: str) -> tuple[int, ...]:
+    """(B, H, Hkv, Sq, Sk, D, Dv) of a call.
+
+    Raises:
+        ShapeError: not 4-D, batch or key/value mismatch, heads not grouped, D or Dv
+            beyond 256.
+    """
+    for name, spec in (("q", q), ("k", k), ("v", v)):
+        if len(spec.shape) != 4:
+            raise ShapeError("must be 4-D [B, H, S, D]", op=op, param=name,
+                             expected="(B, H, S, D)", got=tuple(spec.shape))
+    b, h, sq, d = q.shape
+    bk, hkv, sk, dk = k.shape
+    if bk != b:
+        raise ShapeError("batch differs from q's", op=op, param="k", expected=b, got=bk)
+    if dk != d:
+        raise ShapeError("head dim differs from q's", op=op, param="k", expected=d, got=dk)
+    if tuple(v.shape[:3]) != (b, hkv, sk):
+        raise ShapeError("must match k in batch, heads and length", op=op, param="v",
+                         expected=(b, hkv, sk, "Dv"), got=tuple(v.shape))
+    if hkv == 0 or h % hkv:
+        raise ShapeError("query heads must be a multiple of key/value heads", op=op,
+                         param="k", expected=f"a divisor of {h} heads", got=hkv)
+    dv = v.shape[3]
+    for name, size in (("q", d), ("v", dv)):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ShapeError("head dim out of range", op=op, param=name,
+                             expected=f"1..{MAX_HEAD_DIM}", got=size)
+    return b, h, hkv, sq, sk, d, dv
+
+
+def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> None:
+    for name, spec in named:
+        if spec is not None and spec.dtype != first.dtype:
+            raise DtypeError("must have q's dtype", op=op, param=name,
+                             expected=str(first.dtype).removeprefix("torch."),
+                             got=str(spec.dtype).removeprefix("torch."))
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    q, k, v = inputs
+    _same_dtype("attention", q, (("k", k), ("v", v)))
+    if not any(is_unknown_rank(t.shape) for t in inputs):
+        _shapes(q, k, v, "attention")
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    q, _, v = inputs
+    b, h, sq = q.shape[:3]
+    return [(b, h, sq, v.shape[3]), (b, h, sq)]
+
+
+def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype, torch.float32]
+
+
+def _visible_pairs(sq: int, sk: int, causal: bool) -> int:
+    """(query, key) pairs a head computes: all of them, or those under the diagonal."""
+    if not causal:
+        return sq * sk
+    offset = sk - sq
+    # query i sees min(sk, max(0, i + offset + 1)) keys.
+    full_from = max(0, min(sq, sk - offset))
+    seen = sum(min(sk, max(0, i + offset + 1)) for i in range(full_from))
+    return seen + (sq - full_from) * sk
+
+
+def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    b, h, hkv, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
+    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
+    item = inputs[0].itemsize
+    return Cost(flops=2 * pairs * (d + dv),
+                bytes_moved=item * (b * h * sq * (d + dv) + b * hkv * sk * (d + dv))
+                + 4 * b * h * sq)
+
+
+def _head_blocks(d: int, dv: int) -> tuple[int, int]:
+    return max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
+
+
+def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfile,
+           backward: bool) -> list[Tiling]:
+    """``BLOCK_M`` queries x ``BLOCK_N`` keys. On CUDA: 128 x 64 forward for head dims up
+    to 128 (8 warps above 64), 64 x 32 for 256, halved for float32 operands; 64 x 64
+    backward (32 x 32 at 256), 2-3 pipeline stages while the operand buffers fit in shared
+    memory. Elsewhere 64 x 64 (fewer, larger blocks suit Ascend's cube unit and the
+    interpreter). Both shrink to the problem, never below 16 (the dot's minimum)."""
+    block_d, block_dv = _head_blocks(d, dv)
+    widest = max(block_d, block_dv)
+    gpu = hardware.device_type == "cuda"
+    if gpu:
+        block_m, block_n = (64, 64) if backward else (128, 64)
+        if widest > 128:
+            block_m, block_n = block_m // 2, block_n // 2
+        if item > 2:
+            block_m = max(16, block_m // 2)
+    else:
+        block_m = block_n = 64
+    block_m = min(block_m, max(16, next_power_of_2(sq)))
+    block_n = min(block_n, max(16, next_power_of_2(sk)))
+    candidates = []
+    while True:
+        operands = (block_m * (block_d + block_dv) * (2 if backward else 1)
+                    + block_n * (block_d + block_dv)) * item
+        live = block_m * block_n * 4 * (2 if backward else 1) + block_m * block_dv * 4
+        for stages in ((3, 2) if gpu else (1,)):
+            warps = (8 if widest > 64 or backward else 4) if gpu else None
+            candidates.append(Tiling(
+                "flash", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                          "BLOCK_DV": block_dv},
+                stages * operands + live, double_buffered=False,
+                options={"warps": warps, "stages": stages if gpu else None}))
+        if block_m == 16 and block_n == 16:
+            return candidates
+        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+
+
+def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+            ) -> list[Tiling]:
+    _, _, _, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
+    return _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False)
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    """(query blocks, batch x heads), each capped at the grid limit (programs loop)."""
+    b, h, _, sq, _, _, _ = _shapes(*inputs[:3], "attention")
+    return (max(1, min(cdiv(sq, tiling.blocks["BLOCK_M"]), MAX_PROGRAMS)),
+            max(1, min(b * h, MAX_PROGRAMS)))
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return random_input(shape, dtype, device, generator, scale=scale)
+
+    return [
+        Case("b2h3_s37_d16", (x(2, 3, 37, 16), x(2, 3, 37, 16), x(2, 3, 37, 16))),
+        Case("causal_s37", (x(1, 2, 37, 32), x(1, 2, 37, 32), x(1, 2, 37, 32)),
+             {"causal": True}),
+        Case("gqa_4_over_2", (x(1, 4, 19, 64), x(1, 2, 45, 64), x(1, 2, 45, 64))),
+        Case("causal_decode_sq3_sk70", (x(1, 2, 3, 64), x(1, 2, 70, 64), x(1, 2, 70, 64)),
+             {"causal": True}),
+        Case("causal_sq_longer_than_sk", (x(1, 1, 40, 16), x(1, 1, 24, 16),
+                                          x(1, 1, 24, 16)), {"causal": True}),
+        Case("d_v_differs_d100_dv40", (x(1, 2, 33, 100), x(1, 2, 29, 100), x(1, 2, 29, 40)),
+             {"scale": 0.05}),
+        Case("d256", (x(1, 1, 20, 256), x(1, 1, 20, 256), x(1, 1, 20, 256))),
+        Case("peaked_scores", (x(1, 2, 24, 32, scale=4.0), x(1, 2, 24, 32, scale=4.0),
+                               x(1, 2, 24, 32)), {"causal": True}),
+        Case("transposed_q", (x(1, 17, 2, 32).transpose(1, 2), x(1, 2, 17, 32),
+                              x(1, 2, 17, 32))),
+        Case("zero_keys", (x(1, 2, 5, 16), x(1, 2, 0, 16), x(1, 2, 0, 16))),
+        Case("zero_queries", (x(1, 2, 0, 16), x(1, 2, 9, 16), x(1, 2, 9, 16))),
+    ]
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """q, k and v drawn from the kind as ``(1, 2, S, D)``: S the shape's leading size (at
+    most 130), D its last (at most 64); 1-D shapes do not apply. One plain and one causal
+    case."""
+    if len(shape) < 2 or kind == "long_rows":
+        return []
+    seq, dim = min(shape[0], 130), min(shape[-1], 64)
+
+    def draw() -> torch.Tensor:
+        return generate(kind, (1, 2, seq, dim), dtype, device=device, generator=generator)
+
+    q, k, v = draw(), draw(), draw()
+    return [Case("", (q, k, v)), Case("causal", (q, k, v), {"causal": True})]
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def causal_mask(sq: int, sk: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``j <= i + Sk - Sq``."""
+    rows = torch.arange(sq, device=device)[:, None]
+    return torch.arange(sk, device=device)[None, :] <= rows + (sk - sq)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,
+            compute_dtype: torch.dtype) -> torch.Tensor:
+    """Scaled scores in ``compute_dtype``, masked keys at -inf."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = q.to(compute_dtype), _expand_heads(k, q.shape[1]).to(compute_dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device),
+                                    -math.inf)
+    return scores
+
+
+def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                     golden: torch.Tensor, output: str) -> torch.Tensor:
+    """The magnitudes the output's rounding errors scale with, in float64. ``P @ V``
+    rounds terms of size ``sum_j p_j |v_j|``; a score error ``e_j`` (relative to
+    ``|scale| sum_d |q_d k_jd|``) moves ``out`` by ``sum_j p_j e_j (v_j - out)`` and
+    ``lse`` by ``sum_j p_j e_j``. Rows that see no key get 1."""
+    q, k, v = inputs[:3]
+    scores = _scores(q, k, attrs["causal"], attrs["scale"], torch.float64)
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    p = torch.nan_to_num(torch.exp(scores - lse), nan=0.0)
+    scale = abs(q.shape[-1] ** -0.5 if attrs["scale"] is None else attrs["scale"])
+    magnitude = torch.matmul(q.abs(), _expand_heads(k, q.shape[1]).abs().transpose(-1, -2))
+    weighted = p * magnitude * scale
+    if output == "lse":
+        result = lse[..., 0].abs() + weighted.sum(-1)
+    else:
+        values = _expand_heads(v, q.shape[1])
+        out = torch.matmul(p, values)
+        spread = (values[:, :, None, :, :] - out[:, :, :, None, :]).abs()
+        result = torch.matmul(p, values.abs()) \
+            + (weighted[..., None] * spread).sum(-2)
+    return torch.where(torch.isfinite(result) & (result > 0), result,
+                       torch.ones_like(result))
+
+
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch SDPA (bottom-right mask given explicitly) and logsumexp of the scores in the
+    inputs' dtype"""
+    heads = q.shape[1]
+    keys, values = _expand_heads(k, heads), _expand_heads(v, heads)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                           scale=scale)
+    scores = _scores(q, k, causal, scale, q.dtype)
+    lse = torch.logsumexp(scores.float(), -1)
+    if causal:  # SDPA gives NaN for a query that sees no key; opforge gives 0.
+        out = torch.where(mask.any(-1)[:, None], out, torch.zeros_like(out))
+    return out, lse
+
+
+ATTENTION = OpDef(
+    name="attention", doc="Flash-style scaled dot-product attention [B, H, S, D] with GQA "
+                          "and bottom-right causal masking; out and the float32 lse.",
+    inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v")),
+    outputs=(OutputArg("out"), OutputArg("lse")), attrs=(CAUSAL, SCALE),
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
+    tiling=_tiling, grid=_grid, samples=_samples, error_scale=_attention_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention, sweep=_sweep))
+
+
+def _check_backward(inputs: Specs, attrs: Attrs) -> None:
+    dout, q, k, v, out, lse, grad_lse = inputs
+    op = "attention_backward"
+    _same_dtype(op, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
+    if any(is_unknown_rank(t.shape) for t in inputs if t is not None):
+        return
+    b, h, _, sq, _, _, dv = _shapes(q, k, v, op)
+    for name, spec, shape in (("dout", dout, (b, h, sq, dv)), ("out", out, (b, h, sq, dv)),
+                              ("lse", lse, (b, h, sq)), ("grad_lse", grad_lse, (b, h, sq))):
+        if spec is not None and tuple(spec.shape) != shape:
+            raise ShapeError("has the wrong shape", op=op, param=name, expected=shape,
+                             got=tuple(spec.shape))
+
+
+def _backward_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    return [tuple(inputs[i].shape) for i in (1, 2, 3)]
+
+
+def _backward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[i].dtype for i in (1, 2, 3)]
+
+
+def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    """Five products per visible pair (S and dP recomputed twice: once for dK/dV, once for
+    dQ); every input read once, gradients written once."""
+    b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
+    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
+    item = inputs[1].itemsize
+    query_side = b * h * sq * (2 * d + 2 * dv) * item + 2 * b * h * sq * 4
+    key_side = b * hkv * sk * 2 * (d + dv) * item
+    return Cost(flops=2 * pairs * (3 * d + 4 * dv), bytes_moved=query_side + key_side)
+
+
+def _backward_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+                     ) -> list[Tiling]:
+    _, _, _, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
+    return _tiles(sq, sk, d, dv, inputs[1].itemsize, hardware, backward=True)
+
+
+def _backward_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+                   hardware: HardwareProfile) -> tuple[int, ...]:
+    """The dQ kernel's grid; the dK/dV kernel runs over key blocks and key/value heads."""
+    return _grid(tiling, inputs[1:4], outputs, attrs, hardware)
+
+
+def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                        attrs: Attrs) -> int:
+    """float32 ``delta`` per query row."""
+    b, h, sq = inputs[1].shape[:3]
+    return 4 * b * h * sq
+
+
+def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float | None, generator: torch.Generator,
+                     with_grad_lse: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """(dout, q, k, v, out, lse, grad_lse): out and lse from the float64 forward rounded
+    to their dtypes, dout drawn like q."""
+    out, lse = reference(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
+                         causal=causal, scale=scale)
+    dout = torch.randn(out.shape, generator=generator).to(q.device, q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=generator).to(q.device) \
+        if with_grad_lse else None
+    return dout, q, k, v, out.to(q.dtype), lse.float(), grad_lse
+
+
+def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                      ) -> list[Case]:
+    cases = []
+    for case in _samples(dtype, device, generator):
+        attrs = ATTENTION.bind_attrs(case.attrs)
+        cases.append(Case(case.name, _backward_inputs(*case.inputs, **attrs,
+                                                      generator=generator), case.attrs))
+    q, k, v = (random_input((1, 2, 21, 32), dtype, device, generator, scale=1.0)
+               for _ in range(3))
+    cases.append(Case("with_grad_lse", _backward_inputs(q, k, v, True, None, generator, True),
+                      {"causal": True}))
+    return cases
+
+
+def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device, generator: torch.Generator) -> list[Case]:
+    """The forward's sweep cases with dout normal, out and lse from the float64 forward."""
+    return [Case(case.name, _backward_inputs(*case.inputs, **ATTENTION.bind_attrs(case.attrs),
+                                             generator=generator), case.attrs)
+            for case in _sweep(kind, shape, dtype, device, generator)]
+
+
+def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                    golden: torch.Tensor, output: str) -> torch.Tensor:
+    """The gradient formulas evaluated on magnitudes (``|dP| + |delta|`` in ``dS``), in
+    float64: what each gradient's rounding errors are relative to."""
+    wide = [None if t is None else t.to(torch.float64) for t in inputs]
+    grads = _backward_terms(*wide, compute_dtype=torch.float64, magnitudes=True, **attrs)
+    result = grads[("grad_q", "grad_k", "grad_v").index(output)]
+    return torch.where(result > 0, result, torch.ones_like(result))
+
+
+def _torch_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              grad_lse: torch.Tensor | None, causal: bool,
+                              scale: float | None) -> tuple[torch.Tensor, ...]:
+    """torch.autograd through SDPA and logsumexp in the inputs' dtype"""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out, lse = _torch_attention(*leaves, causal, scale)
+        grads = [dout] if grad_lse is None else [dout, grad_lse]
+        return torch.autograd.grad((out, lse)[:len(grads)], leaves, grads)
+
+
+ATTENTION_BACKWARD = OpDef(
+    name="attention_backward", doc="Gradients of attention by recomputation from the saved "
+                                   "lse; valid on one key block at a time.",
+    inputs=(TensorArg("dout"), TensorArg("q"), TensorArg("k"), TensorArg("v"),
+            TensorArg("out"), TensorArg("lse", dtypes=(torch.float32,)),
+            TensorArg("grad_lse", dtypes=(torch.float32,), optional=True)),
+    outputs=(OutputArg("grad_q"), OutputArg("grad_k"), OutputArg("grad_v")),
+    attrs=(CAUSAL, SCALE), infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
+    check=_check_backward, cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,
+    workspace=_backward_workspace, samples=_backward_samples, error_scale=_backward_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention_backward,
+                            sweep=_backward_sweep))
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+
+
+@ATTENTION.reference
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              compute_dtype: torch.dtype, causal: bool, scale: float | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype`` (the whole
+    score matrix at once)."""
+    scores = _scores(q, k, causal, scale, compute_dtype)
+    lse = torch.logsumexp(scores, -1)
+    p = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    out = torch.matmul(p, _expand_heads(v, q.shape[1]).to(compute_dtype))
+    return out, lse
+
+
+def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, *,
+                    compute_dtype: torch.dtype, causal: bool, scale: float | None,
+                    magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them;
+    ``magnitudes``: every term by its absolute value."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dout, q, out = (t.to(compute_dtype) for t in (dout, q, out))
+    keys = _expand_heads(k, heads).to(compute_dtype)
+    values = _expand_heads(v, heads).to(compute_dtype)
+    scores = _scores(q, k, causal, scale, compute_dtype)
+    p = torch.nan_to_num(torch.exp(scores - lse.to(compute_dtype)[..., None]), nan=0.0)
+    delta = (dout * out).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(compute_dtype)
+    if magnitudes:
+        # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e): weight
+        # p by 1 + that magnitude, the first-order amplification of the scores' rounding.
+        spread = torch.matmul(q.abs(), keys.abs().transpose(-1, -2)) * abs(scale)
+        p = p * (1 + spread + (p * spread).sum(-1, keepdim=True))
+        dout, q, keys, values = (t.abs() for t in (dout, q, keys, values))
+        delta = (dout * out.abs()).sum(-1) + (0 if grad_lse is None else grad_lse.abs())
+        ds = p * (torch.matmul(dout, values.transpose(-1, -2)) + delta[..., None])
+        scale = abs(scale)
+    else:
+        ds = p * (torch.matmul(dout, values.transpose(-1, -2)) - delta[..., None])
+    grad_q = torch.matmul(ds, keys) * scale
+    grad_k = torch.matmul(ds.transpose(-1, -2), q) * scale
+    grad_v = torch.matmul(p.transpose(-1, -2), dout)
+
+    def per_kv_head(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(1, (heads // group, group)).sum(2)
+
+    return grad_q, per_kv_head(grad_k), per_kv_head(grad_v)
+
+
+@ATTENTION_BACKWARD.reference
+def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, *,
+                       compute_dtype: torch.dtype, causal: bool, scale: float | None
+                       ) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in ``compute_dtype`` from the saved ``out`` and ``lse``."""
+    return _backward_terms(dout, q, k, v, out, lse, grad_lse, compute_dtype=compute_dtype,
+                           causal=causal, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+    LN2 = tl.constexpr(0.6931471805599453)
+    LOG2E = tl.constexpr(LOG2_E)
+    NEG_INF = tl.constexpr(float("-inf"))
+    POS_INF = tl.constexpr(float("inf"))
+
+    @triton.jit
+    def _key_ranges(first_row, Sk, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """(end of the key blocks every query of the block sees entirely, end of the keys
+        any of them sees): the first range needs no mask."""
+        end = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(Sk, first_row + BLOCK_M + offset), 0)
+            diagonal = (tl.maximum(first_row + offset + 1, 0) // BLOCK_N) * BLOCK_N
+            full_end = tl.minimum(full_end, diagonal)
+        return full_end, end
+
+    @triton.jit
+    def _visible(rows, cols, Sk, offset, CAUSAL: tl.constexpr):
+        visible = (cols < Sk)[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + offset)
+        return visible
+
+    @triton.jit
+    def _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                      stride_vd, rows, start, end, Sk, offset, D, DV, qk_scale,
+                      CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
+        """Online softmax over the key blocks in [start, end): scores in the log2 domain,
+        float32 running max ``m_i`` and sum ``l_i``."""
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for first_col in range(start, end, BLOCK_N):
+            cols = first_col + tl.arange(0, BLOCK_N)
+            keys_t = dot_operand(k_base + cols[None, :] * stride_kn + dims[:, None] * stride_kd,
+                                 (cols < Sk)[None, :] & (dims < D)[:, None], UPCAST)
+            # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
+            scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
+            if MASKED:
+                scores = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), scores, NEG_INF)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            values = dot_operand(v_base + cols[:, None] * stride_vn
+                                 + value_dims[None, :] * stride_vd,
+                                 (cols < Sk)[:, None] & (value_dims < DV)[None, :], UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, v_base, UPCAST), values,
+                                                input_precision=PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _attention_forward_kernel(
+            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
+            stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D, DV,
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        head = (tl.program_id(1) + head_offset).to(tl.int64)
+        batch, h = head // H, head % H
+        q_base = q_ptr + batch * stride_qb + h * stride_qh
+        k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
+        v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        out_base = out_ptr + head * Sq * DV
+        lse_base = lse_ptr + head * Sq
+        offset = Sk - Sq
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for block in range(tl.program_id(0), tl.cdiv(Sq, BLOCK_M), tl.num_programs(0)):
+            first_row = block * BLOCK_M
+            rows = first_row + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            q = dot_operand(q_base + rows[:, None] * stride_qm + dims[None, :] * stride_qd,
+                            (rows < Sq)[:, None] & (dims < D)[None, :], UPCAST)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn,
+                                          stride_kd, stride_vn, stride_vd, rows, 0, full_end,
+                                          Sk, offset, D, DV, qk_scale, CAUSAL, False, UPCAST,
+                                          PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn,
+                                          stride_kd, stride_vn, stride_vd, rows, full_end, end,
+                                          Sk, offset, D, DV, qk_scale, CAUSAL, True, UPCAST,
+                                          PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            seen = l_i > 0
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
+            row_mask = rows < Sq
+            tl.store(out_base + rows[:, None] * DV + value_dims[None, :],
+                     rounded_for(out, out_ptr), mask=row_mask[:, None]
+                     & (value_dims < DV)[None, :])
+            tl.store(lse_base + rows, rounded_for(lse, lse_ptr), mask=row_mask)
+
+    @triton.jit
+    def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn, stride_kd,
+                         stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV, qk_scale,
+                         like_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """dQ over the key blocks in [start, end): P from lse, dS = P (dP - delta)."""
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for first_col in range(start, end, BLOCK_N):
+            cols = first_col + tl.arange(0, BLOCK_N)
+            keys = dot_operand(k_base + cols[:, None] * stride_kn + dims[None, :] * stride_kd,
+                               (cols < Sk)[:, None] & (dims < D)[None, :], UPCAST)
+            values_t = dot_operand(v_base + cols[None, :] * stride_vn
+                                   + value_dims[:, None] * stride_vd,
+                                   (cols < Sk)[None, :] & (value_dims < DV)[:, None], UPCAST)
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
+            p = tl.exp2(scores - lse2[:, None])
+            if MASKED:
+                p = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), p, 0.0)
+            dp = tl.dot(dout, values_t, input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(as_dot_operand(ds, like_ptr, UPCAST), keys, input_precision=PRECISION)
+        return dq
+
+    @triton.jit
+    def _attention_query_side_kernel(
+            dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, grad_lse_ptr, delta_ptr, dq_ptr,
+            Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
+            stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
+            stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+            stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, D, DV,
+            CAUSAL: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
+        side), then dQ."""
+        head = (tl.program_id(1) + head_offset).to(tl.int64)
+        batch, h = head // H, head % H
+        q_base = q_ptr + batch * stride_qb + h * stride_qh
+        dout_base = dout_ptr + batch * stride_db + h * stride_dh
+        out_base = out_ptr + batch * stride_ob + h * stride_oh
+        k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
+        v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        offset = Sk - Sq
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for block in range(tl.program_id(0), tl.cdiv(Sq, BLOCK_M), tl.num_programs(0)):
+            first_row = block * BLOCK_M
+            rows = first_row + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            row_mask = rows < Sq
+            q_mask = row_mask[:, None] & (dims < D)[None, :]
+            v_mask = row_mask[:, None] & (value_dims < DV)[None, :]
+            q = dot_operand(q_base + rows[:, None] * stride_qm + dims[None, :] * stride_qd,
+                            q_mask, UPCAST)
+            dout = dot_operand(dout_base + rows[:, None] * stride_dm
+                               + value_dims[None, :] * stride_dd, v_mask, UPCAST)
+            out = widen(tl.load(out_base + rows[:, None] * stride_om
+                                + value_dims[None, :] * stride_od, mask=v_mask, other=0.0))
+            delta = tl.sum(widen(dout) * out, 1)
+            statistics = head * Sq + rows
+            if HAS_GRAD_LSE:
+                delta -= tl.load(grad_lse_ptr + statistics, mask=row_mask)  # float32 statistic
+            tl.store(delta_ptr + statistics, delta, mask=row_mask)  # float32 statistic
+            lse2 = tl.load(lse_ptr + statistics, mask=row_mask, other=0.0)  # float32 statistic
+            lse2 = lse2 * LOG2E
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn,
+                                  stride_kd, stride_vn, stride_vd, rows, 0, full_end, Sk,
+                                  offset, D, DV, qk_scale, q_ptr, CAUSAL, False, UPCAST,
+                                  PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn,
+                                  stride_kd, stride_vn, stride_vd, rows, full_end, end, Sk,
+                                  offset, D, DV, qk_scale, q_ptr, CAUSAL, True, UPCAST,
+                                  PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            tl.store(dq_ptr + head * Sq * D + rows[:, None] * D + dims[None, :],
+                     rounded_for(dq * scale, dq_ptr), mask=q_mask)
+
+    @triton.jit
+    def _key_side_queries(dk, dv, keys, values, q_base, dout_base, lse_base, delta_base,
+                          stride_qm, stride_qd, stride_dm, stride_dd, cols, start, end, Sq,
+                          Sk, offset, D, DV, qk_scale, like_ptr, CAUSAL: tl.constexpr,
+                          MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """dK and dV of one key block over the query blocks in [start, end). Rows past Sq
+        read lse = +inf, so their P is exactly 0 without a mask."""
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for first_row in range(start, end, BLOCK_M):
+            rows = first_row + tl.arange(0, BLOCK_M)
+            row_mask = rows < Sq
+            q = dot_operand(q_base + rows[:, None] * stride_qm + dims[None, :] * stride_qd,
+                            row_mask[:, None] & (dims < D)[None, :], UPCAST)
+            dout = dot_operand(dout_base + rows[:, None] * stride_dm
+                               + value_dims[None, :] * stride_dd,
+                               row_mask[:, None] & (value_dims < DV)[None, :], UPCAST)
+            lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
+            lse2 = lse2 * LOG2E
+            delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
+            p = tl.exp2(scores - lse2[:, None])
+            if MASKED:
+                p = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), p, 0.0)
+            dv += tl.dot(tl.trans(as_dot_operand(p, like_ptr, UPCAST)), dout,
+                         input_precision=PRECISION)
+            dp = tl.dot(dout, tl.trans(values), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(as_dot_operand(ds, like_ptr, UPCAST)), q,
+                         input_precision=PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _attention_key_side_kernel(
+            dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, Sq, Sk, H,
+            HKV, GROUP, head_offset, qk_scale, scale,
+            stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
+            stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+            stride_vn, stride_vd, D, DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Per key block of one key/value head: dK and dV summed over every query block of
+        every query head in its group, in a fixed order."""
+        kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
+        batch, hkv = kv_head // HKV, kv_head % HKV
+        k_base = k_ptr + batch * stride_kb + hkv * stride_kh
+        v_base = v_ptr + batch * stride_vb + hkv * stride_vh
+        offset = Sk - Sq
+        dims = tl.arange(0, BLOCK_D)
+        value_dims = tl.arange(0, BLOCK_DV)
+        for block in range(tl.program_id(0), tl.cdiv(Sk, BLOCK_N), tl.num_programs(0)):
+            first_col = block * BLOCK_N
+            cols = first_col + tl.arange(0, BLOCK_N)
+            if WIDE:
+                cols = cols.to(tl.int64)
+            k_mask = (cols < Sk)[:, None] & (dims < D)[None, :]
+            v_mask = (cols < Sk)[:, None] & (value_dims < DV)[None, :]
+            keys = dot_operand(k_base + cols[:, None] * stride_kn + dims[None, :] * stride_kd,
+                               k_mask, UPCAST)
+            values = dot_operand(v_base + cols[:, None] * stride_vn
+                                 + value_dims[None, :] * stride_vd, v_mask, UPCAST)
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+            # Query blocks that see part of the key block (masked), then all of it.
+            start = 0
+            full_start = 0
+            if CAUSAL:
+                start = (tl.maximum(first_col - offset, 0) // BLOCK_M) * BLOCK_M
+                full_start = tl.minimum(
+                    tl.cdiv(tl.maximum(first_col + BLOCK_N - 1 - offset, 0), BLOCK_M)
+                    * BLOCK_M, Sq)
+                full_start = tl.maximum(full_start, start)
+            for g in range(0, GROUP):
+                head = batch * H + hkv * GROUP + g
+                q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
+                dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
+                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base,
+                                           lse_ptr + head * Sq, delta_ptr + head * Sq,
+                                           stride_qm, stride_qd, stride_dm, stride_dd, cols,
+                                           start, full_start, Sq, Sk, offset, D, DV, qk_scale,
+                                           q_ptr, CAUSAL, True, UPCAST, PRECISION, BLOCK_M,
+                                           BLOCK_D, BLOCK_DV)
+                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base,
+                                           lse_ptr + head * Sq, delta_ptr + head * Sq,
+                                           stride_qm, stride_qd, stride_dm, stride_dd, cols,
+                                           full_start, Sq, Sq, Sk, offset, D, DV, qk_scale,
+                                           q_ptr, CAUSAL, False, UPCAST, PRECISION, BLOCK_M,
+                                           BLOCK_D, BLOCK_DV)
+            tl.store(dk_ptr + kv_head * Sk * D + cols[:, None] * D + dims[None, :],
+                     rounded_for(dk * scale, dk_ptr), mask=k_mask)
+            tl.store(dv_ptr + kv_head * Sk * DV + cols[:, None] * DV + value_dims[None, :],
+                     rounded_for(dv, dv_ptr), mask=v_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _scale_of(attrs: Attrs, d: int) -> float:
+    return d ** -0.5 if attrs["scale"] is None else attrs["scale"]
+
+
+def _head_chunks(heads: int) -> list[tuple[int, int]]:
+    """(first head, count) of launches whose grid's second dim stays under the limit."""
+    return [(start, min(MAX_PROGRAMS, heads - start))
+            for start in range(0, heads, MAX_PROGRAMS)]
+
+
+def _launch_options(plan: object, inputs: Sequence[torch.Tensor]) -> dict[str, object]:
+    """Compile-time arguments shared by the kernels."""
+    reach = max(1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+                for t in inputs)
+    dtype = inputs[0].dtype
+    return {"CAUSAL": plan.attrs["causal"], "UPCAST": backends.interpreter_enabled(),
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "WIDE": reach > INT32_LIMIT, **plan.tiling.blocks, **launch_options(plan.tiling)}
+
+
+@ATTENTION.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """One program per ``BLOCK_M`` queries of one head (persistently); heads in
+    ``program_id(1)``."""
+    q, k, v = inputs
+    out, lse = outputs
+    b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention")
+    if sk == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+    if sk == 0 or sq == 0:
+        return
+    options = _launch_options(plan, (q, k, v, out))
+    qk_scale = _scale_of(plan.attrs, d) * LOG2_E
+    for first, count in _head_chunks(b * h):
+        _attention_forward_kernel[(plan.grid[0], count)](
+            q, k, v, out, lse, sq, sk, h, h // hkv, first, qk_scale, *q.stride(), *k.stride(),
+            *v.stride(), d, dv, **options)
+
+
+@ATTENTION_BACKWARD.launcher("triton")
+def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
+                    outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The query-side kernel (delta, then dQ) over query blocks, then the key-side kernel
+    (dK, dV) over key blocks and key/value heads."""
+    dout, q, k, v, out, lse, grad_lse = inputs
+    grad_q, grad_k, grad_v = outputs
+    b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention_backward")
+    if sq == 0 or sk == 0:
+        for grad in outputs:
+            grad.zero_()
+        return
+    lse = lse.contiguous()
+    grad_lse = None if grad_lse is None else grad_lse.contiguous()
+    delta = workspace[:4 * b * h * sq].view(torch.float32)
+    options = _launch_options(plan, (q, k, v, dout, out, grad_q, grad_k, grad_v))
+    scale = _scale_of(plan.attrs, d)
+    for first, count in _head_chunks(b * h):
+        _attention_query_side_kernel[(plan.grid[0], count)](
+            dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
+            sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(), *q.stride(),
+            *k.stride(), *v.stride(), *out.stride(), d, dv, HAS_GRAD_LSE=grad_lse is not None,
+            **options)
+    key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_N"]), MAX_PROGRAMS))
+    for first, count in _head_chunks(b * hkv):
+        _attention_key_side_kernel[(key_blocks, count)](
+            dout, q, k, v, lse, delta, grad_k, grad_v, sq, sk, h, hkv, h // hkv, first,
+            scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(), d,
+            dv, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
+                   ) -> None:
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+@ATTENTION.autograd(_setup_context)
+def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, ...]:
+    """dq, dk, dv through `attention_backward` (a gradient of lse joins through delta)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_q, grad_k, grad_v = torch.ops.opforge.attention_backward(
+        grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.scale)
+    return grad_q, grad_k, grad_v, None, None
+
+
+register_op(ATTENTION_BACKWARD)
+register_op(ATTENTION)
