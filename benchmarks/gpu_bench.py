@@ -11,7 +11,9 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
    copy bandwidth (``dst.copy_(src)`` of a large buffer, 2 x bytes / time), the practical
    ceiling of a memory-bound elementwise kernel;
 4. times bf16 attention (MHA at head dims 64/128/256, causal, GQA) forward and forward +
-   backward against torch SDPA in TFLOP/s, after checking out, dq, dk and dv against it;
+   backward against torch SDPA in TFLOP/s, after checking out, dq, dk and dv against it,
+   and MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024) against the same computation in
+   torch ops, eager and compiled;
    times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
    eager,
    torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
@@ -355,6 +357,62 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
     return rows
 
 
+# DeepSeek-V3's MLA sizes: He, Hcq, Hckv, N, D, Dr; token counts (decode, prefill).
+MLA_SIZES = {"he": 7168, "hcq": 1536, "hckv": 512, "n": 128, "d": 128, "dr": 64}
+MLA_TOKENS = (16, 1024)
+
+
+def _mla_torch(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    from opforge.ops.mla_prolog import MLA_PROLOG
+
+    return MLA_PROLOG.precision.peer(*inputs, 1e-5, 1e-5, "PA_BSND")
+
+
+def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
+             ) -> list[Row]:
+    """bf16 MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024 tokens, 128 heads, a
+    4096-slot cache) against the same computation composed of torch ops, eager and
+    torch.compile (whose caches are functional copies: its scatter writes a new cache).
+    After a check of query and query_rope against the composition (max error relative to
+    the largest magnitude, bound 3e-2). TFLOP/s from the operator's cost; the
+    ``fraction_of_copy`` column holds the speed relative to torch eager."""
+    from opforge.ops.mla_prolog import mla_inputs
+
+    rows = []
+    for tokens in MLA_TOKENS:
+        shape = f"T{tokens} He7168 N128"
+        try:
+            generator = torch.Generator().manual_seed(tokens)
+            inputs = mla_inputs(tokens, torch.bfloat16, device, generator,
+                                blocks=max(32, tokens // 16 + 1), block_size=128,
+                                **MLA_SIZES)
+            ours = opforge.mla_prolog(*[t.clone() for t in inputs])
+            theirs = _mla_torch(*inputs)
+            worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
+                        for a, e in zip(ours[:2], theirs[:2]))
+            rows.append(Row("check", "mla_prolog", shape, "bf16", "opforge vs torch ops",
+                            max_abs_diff=worst, status="ok" if worst <= 3e-2 else "FAIL",
+                            detail="max |diff| / max |torch|, bound 3e-2"))
+            cost = opforge.plan("mla_prolog", *inputs).cost
+            impls = [("opforge", functools.partial(opforge.mla_prolog, *inputs)),
+                     ("torch eager", functools.partial(_mla_torch, *inputs))]
+            if compile_peers:
+                impls.append(("torch.compile", functools.partial(
+                    torch.compile(_mla_torch, dynamic=False), *inputs)))
+            timings = {}
+            for impl, call in impls:
+                call()
+                torch.cuda.synchronize()
+                timings[impl] = bench_us(call, warmup_ms, rep_ms)
+            for impl, us in timings.items():
+                rows.append(Row("time", "mla_prolog", shape, "bf16", impl, us, None,
+                                cost.flops / (us * 1e-6) / 1e12, timings["torch eager"] / us,
+                                detail="TFLOP/s; ratio to torch eager"))
+        except Exception as error:  # reported; the next size still runs
+            rows.append(_error_row("time", "mla_prolog", shape, "bf16", "opforge", error))
+    return rows
+
+
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest ``|actual - expected|``, computed in float32."""
     return (actual.float() - expected.float()).abs().max().item()
@@ -605,7 +663,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="size of the copy-bandwidth buffer (MiB)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--skip-attention", action="store_true",
-                        help="skip the attention timings")
+                        help="skip the attention and MlaProlog timings")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -633,7 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy_gb_s = rows[0].gb_per_s
     assert copy_gb_s is not None
     if not args.skip_attention:
-        for row in attention_rows(device, args.warmup_ms, args.rep_ms):
+        for row in [*attention_rows(device, args.warmup_ms, args.rep_ms),
+                    *mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms)]:
             _print_row(row)
             rows.append(row)
     # One compiled function per operator: a new shape recompiles (dynamic=False), which

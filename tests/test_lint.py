@@ -67,11 +67,13 @@ def test_storage_dtypes_convert_through_the_exact_helpers(path):
     """Every tl.load is widened to float32 at once by `widen` (bf16 arithmetic fails in the
     interpreter, whose bf16 casts also mangle subnormals) and every tl.store rounds through
     `rounded_for` (the interpreter's bf16 cast truncates); workspace partials are float32
-    and exempt, and so are float32 row statistics (marked "float32 statistic") and
+    and exempt, and so are float32 row statistics (marked "float32 statistic"), integer
+    indices (marked "integer index") and
     tensor-core operands compiled kernels keep in 16 bits (marked "dot operand"; under the
     interpreter they are widened)."""
     for number, line in enumerate(path.read_text().splitlines(), 1):
-        if any(mark in line for mark in ("partial", "dot operand", "float32 statistic")):
+        if any(mark in line for mark in ("partial", "dot operand", "float32 statistic",
+                                         "integer index")):
             continue
         if "tl.load(" in line:
             assert "widen(tl.load(" in line, f"{path.name}:{number}: {line.strip()}"
@@ -89,9 +91,14 @@ def test_operator_module_order(path):
     positions = [opdef.start() if opdef else -1, reference.start() if reference else -1]
     positions += [source.find(m) for m in markers]
     markers = ["OpDef", "reference", *markers]
-    if positions[2] < 0 and "from opforge.ops import _" in source:
-        # Kernels shared with other operators live in the ops/_*.py module it imports.
-        del positions[2], markers[2]
+    optional = set()
+    if "from opforge.ops import _" in source:
+        optional.add("@triton.jit")  # kernels shared with other operators, in ops/_*.py
+    if "Forward only" in source:
+        optional.add(".autograd(")  # an inference operator has no backward
+    kept = [(m, p) for m, p in zip(markers, positions, strict=True)
+            if not (m in optional and p < 0)]
+    markers, positions = [m for m, _ in kept], [p for _, p in kept]
     assert all(p >= 0 for p in positions), dict(zip(markers, positions, strict=True))
     assert positions == sorted(positions), "order: OpDef, reference, kernels, launcher, " \
                                            "backward, registration"

@@ -35,7 +35,9 @@ def _schema_default(attr: Attr) -> str:
 
 def schema_for(opdef: OpDef) -> str:
     """The torch schema of an OpDef: tensors first, then attributes with defaults."""
-    args = [f"Tensor{'?' if arg.optional else ''} {arg.name}" for arg in opdef.inputs]
+    aliases = iter("abcdefghijklmnopqrstuvwxyz")
+    args = [f"Tensor{f'({next(aliases)}!)' if arg.mutated else ''}{'?' if arg.optional else ''}"
+            f" {arg.name}" for arg in opdef.inputs]
     args += [f"{attr.schema_type} {attr.name}={_schema_default(attr)}" for attr in opdef.attrs]
     returns = ("Tensor" if len(opdef.outputs) == 1
                else "(" + ", ".join("Tensor" for _ in opdef.outputs) + ")")
@@ -84,7 +86,8 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
         outs = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in signature.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    custom = torch.library.custom_op(qualname, implementation, mutates_args=(),
+    mutated = tuple(opdef.inputs[i].name for i in opdef.mutated_inputs)
+    custom = torch.library.custom_op(qualname, implementation, mutates_args=mutated,
                                      schema=schema_for(opdef))
     custom.register_fake(fake)
     if opdef.backward_fn is not None:

@@ -2,14 +2,18 @@
 for Ascend runs unchanged on a GPU or a CPU.
 
 ``rstd`` is float32 with the input's shape and the normalised (last) dim kept as 1, as
-torch_npu returns it.
+torch_npu returns it. `npu_mla_prolog` takes the quantisation arguments of the signature
+and refuses them (opforge's MlaProlog has no int8 path).
 """
 
 from __future__ import annotations
 
 import torch
 
+import opforge.ops.mla_prolog
 import opforge.ops.rms_norm  # noqa: F401 - registers the operators
+from opforge.core.errors import UnsupportedError
+from opforge.functional import mla_prolog
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
@@ -33,3 +37,41 @@ def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
     """
     y, rstd, total = torch.ops.opforge.add_rms_norm(x1, x2, gamma, epsilon)
     return y, rstd.unsqueeze(-1), total
+
+
+def npu_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
+                   weight_uk: torch.Tensor, weight_dkv_kr: torch.Tensor,
+                   rmsnorm_gamma_cq: torch.Tensor, rmsnorm_gamma_ckv: torch.Tensor,
+                   rope_sin: torch.Tensor, rope_cos: torch.Tensor, cache_index: torch.Tensor,
+                   kv_cache: torch.Tensor, kr_cache: torch.Tensor, *,
+                   dequant_scale_x: torch.Tensor | None = None,
+                   dequant_scale_w_dq: torch.Tensor | None = None,
+                   dequant_scale_w_uq_qr: torch.Tensor | None = None,
+                   dequant_scale_w_dkv_kr: torch.Tensor | None = None,
+                   quant_scale_ckv: torch.Tensor | None = None,
+                   quant_scale_ckr: torch.Tensor | None = None,
+                   smooth_scales_cq: torch.Tensor | None = None,
+                   rmsnorm_epsilon_cq: float = 1e-05, rmsnorm_epsilon_ckv: float = 1e-05,
+                   cache_mode: str = "PA_BSND"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_mla_prolog`` (V1): ``(query, query_rope, kv_cache_out,
+    kr_cache_out)``, the caches updated in place and returned (see `opforge.mla_prolog`).
+    Forward only.
+
+    Raises:
+        UnsupportedError: a quantisation argument is given. Otherwise as
+            `opforge.mla_prolog`.
+    """
+    quantisation = {"dequant_scale_x": dequant_scale_x, "dequant_scale_w_dq": dequant_scale_w_dq,
+                    "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr,
+                    "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
+                    "quant_scale_ckv": quant_scale_ckv, "quant_scale_ckr": quant_scale_ckr,
+                    "smooth_scales_cq": smooth_scales_cq}
+    given = [name for name, value in quantisation.items() if value is not None]
+    if given:
+        raise UnsupportedError("quantised MlaProlog is not supported", op="npu_mla_prolog",
+                               param=given[0], expected="None", got="a tensor")
+    return mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
+                      rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index,
+                      kv_cache, kr_cache, rmsnorm_epsilon_cq=rmsnorm_epsilon_cq,
+                      rmsnorm_epsilon_ckv=rmsnorm_epsilon_ckv, cache_mode=cache_mode)

@@ -68,12 +68,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor input: its name, the dtypes it accepts and whether it may be ``None``."""
+    """A tensor input: its name, the dtypes it accepts, whether it may be ``None`` and
+    whether the operator writes into it in place (``mutated``: a cache the call updates;
+    its new value is part of the result, after the outputs, in the reference's return)."""
 
     name: str
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     optional: bool = False
     doc: str = ""
+    mutated: bool = False
 
 
 @dataclass(frozen=True)
@@ -371,13 +374,16 @@ class OpDef:
 
     def reference(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Attach the plain-torch reference: ``fn(*inputs, compute_dtype, **attrs)`` returns
-        the outputs in ``compute_dtype`` (float64: the golden; float32: the torch backend)."""
+        the outputs in ``compute_dtype`` (float64: the golden; float32: the torch backend),
+        followed by the new values of the `mutated_inputs` (it never writes its inputs)."""
         self.reference_fn = fn
         return fn
 
     def launcher(self, backend: str) -> Callable[[Launcher], Launcher]:
         """Attach a backend launcher ``fn(plan, inputs, outputs, workspace)`` that writes
-        every element of the preallocated ``outputs``."""
+        every element of the preallocated ``outputs`` (and updates the mutated inputs in
+        place). A ``"torch"`` launcher replaces the generic torch backend (the reference
+        copied into the outputs) for operators that must not copy a mutated input whole."""
         def attach(fn: Launcher) -> Launcher:
             self.launchers[backend] = fn
             return fn
@@ -405,7 +411,12 @@ class OpDef:
 
     @property
     def backends(self) -> tuple[str, ...]:
-        return ("torch", *self.launchers)
+        return ("torch", *(name for name in self.launchers if name != "torch"))
+
+    @property
+    def mutated_inputs(self) -> tuple[int, ...]:
+        """Positions of the inputs the operator updates in place."""
+        return tuple(i for i, arg in enumerate(self.inputs) if arg.mutated)
 
     def bind_attrs(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Validate attribute values and fill in defaults.

@@ -34,7 +34,8 @@ from opforge.core.workspace import WorkspacePool
 
 _POISON = {"enabled": os.environ.get("OPFORGE_POISON", "0") not in ("", "0")}
 workspace_pool = WorkspacePool()
-_interpreter_lock = threading.Lock()
+# Reentrant: a launcher may run other operators (a composite such as mla_prolog).
+_interpreter_lock = threading.RLock()
 workspace_pool.poison = _POISON["enabled"]
 
 
@@ -204,7 +205,7 @@ class Plan:
         targets, results = self._outputs(out)
         scratch = self._workspace(workspace)
         if not self._empty:
-            if self.backend == "torch":
+            if self.backend == "torch" and "torch" not in self.op.launchers:
                 run_reference(self, inputs, targets, scratch)
             elif backends.interpreter_enabled():
                 # The interpreter patches triton.language globally while a kernel runs:
@@ -254,12 +255,14 @@ def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
 def run_reference(plan: Plan, inputs: Sequence[torch.Tensor | None],
                   outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """The torch backend: the operator's reference at float32 (float64 for float64 inputs),
-    rounded once into the outputs."""
+    rounded once into the outputs (and into the mutated inputs, whole)."""
     wide = any(t is not None and t.dtype == torch.float64 for t in inputs)
     assert plan.op.reference_fn is not None, f"{plan.op.name} has no reference"
     results = plan.op.reference_fn(*inputs, compute_dtype=torch.float64 if wide
                                    else torch.float32, **plan.attrs)
-    for target, value in zip(outputs, results if isinstance(results, tuple) else (results,)):
+    mutated = [inputs[i] for i in plan.op.mutated_inputs]
+    for target, value in zip([*outputs, *mutated],
+                             results if isinstance(results, tuple) else (results,)):
         target.copy_(value)
 
 

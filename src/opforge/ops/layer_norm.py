@@ -258,8 +258,12 @@ def _torch_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.
     """torch.ops.aten.native_layer_norm_backward"""
     normalized = _normalized(x.shape, {"normalized_shape": normalized_shape})
     kept = (*x.shape[:x.ndim - len(normalized)], *([1] * len(normalized)))
+    # aten keeps the statistics of 16-bit inputs in float32 on CUDA, in the input dtype on
+    # the CPU, and its backward insists on the same.
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    stats = torch.float32 if x.device.type == "cuda" and low else x.dtype
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        grad, x, normalized, mean.reshape(kept).to(x.dtype), rstd.reshape(kept).to(x.dtype),
+        grad, x, normalized, mean.reshape(kept).to(stats), rstd.reshape(kept).to(stats),
         None if weight is None else weight.to(x.dtype),
         None if bias is None else bias.to(x.dtype), [True, weight is not None,
                                                      bias is not None])

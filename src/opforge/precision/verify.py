@@ -151,13 +151,22 @@ def verification_cases(opdef: OpDef, dtype: torch.dtype, device: torch.device | 
 
 def golden_of(opdef: OpDef, case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(golden outputs, error scales) of a case, in float64 on the CPU."""
-    wide = [None if t is None else t.detach().to("cpu", torch.float64) for t in case.inputs]
+    # Mutated inputs (caches) are state, not numbers: they keep their dtype, which can
+    # define their layout.
+    wide = [None if t is None else t.detach().to("cpu") if i in opdef.mutated_inputs
+            else t.detach().to("cpu", torch.float64) for i, t in enumerate(case.inputs)]
     full_attrs = opdef.bind_attrs(case.attrs)
     outputs = opdef.reference_fn(*wide, compute_dtype=torch.float64, **full_attrs)
     goldens = list(outputs) if isinstance(outputs, tuple) else [outputs]
-    scales = [opdef.error_scale(opdef, wide, full_attrs, g, out.name)
-              for g, out in zip(goldens, opdef.outputs)]
+    scales = [opdef.error_scale(opdef, wide, full_attrs, g, name)
+              for g, name in zip(goldens, result_names(opdef))]
     return goldens, scales
+
+
+def result_names(opdef: OpDef) -> list[str]:
+    """The outputs' names, then the mutated inputs': what a call produces, in order."""
+    return [*(out.name for out in opdef.outputs),
+            *(opdef.inputs[i].name for i in opdef.mutated_inputs)]
 
 
 def rounded_range(golden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,8 +188,11 @@ def judge_case(opdef: OpDef, case: Case, backend: str, dtype: torch.dtype) -> Ca
     result = CaseResult(opdef.name, case.name, backend, dtype_name(dtype), "pass",
                         category=spec.category)
     goldens, scales = golden_of(opdef, case)
+    inputs = [t.clone() if i in opdef.mutated_inputs else t
+              for i, t in enumerate(case.inputs)]
     with backends.use_backend(backend):
-        outputs = _as_list(plan(opdef, *case.inputs, **case.attrs).run(*case.inputs))
+        outputs = _as_list(plan(opdef, *inputs, **case.attrs).run(*inputs))
+    outputs += [inputs[i] for i in opdef.mutated_inputs]
     peers: list[torch.Tensor | None] = [None] * len(outputs)
     if spec.peer is not None:
         with torch.no_grad():

@@ -1,0 +1,603 @@
+"""MlaProlog: the query and latent-KV preprocessing of DeepSeek's multi-head latent
+attention, with the semantics of ``torch_npu.npu_mla_prolog`` (V1). Forward only: an
+inference operator, with no gradient.
+
+With ``T`` tokens (``token_x`` ``(B, S, He)`` or ``(T, He)``), ``N`` heads, nope dim ``D``,
+rope dim ``Dr``, latent ``Hckv`` and ``[r]`` a rounding to the input dtype (CANN's rounding
+points; float32 inputs are never rounded to bf16)::
+
+    x          = token_x.reshape(T, He)
+    cq         = [r](x @ weight_dq)                                         (T, Hcq)
+    cq         = [r](cq / sqrt(mean(cq^2) + eps_cq) * gamma_cq)
+    qq         = [r](cq @ weight_uq_qr).view(T, N, D + Dr)   per head [D nope | Dr rope]
+    query      = [r](einsum("tnd,ndc->tnc", qq[..., :D], weight_uk))     (T, N, Hckv)
+    query_rope = [r](rope(qq[..., D:], cos, sin, "interleave_half"))      (T, N, Dr)
+    kv         = x @ weight_dkv_kr                                 float32, (T, Hckv + Dr)
+    ckv        = kv[:, :Hckv] / sqrt(mean(kv[:, :Hckv]^2) + eps_ckv) * gamma_ckv
+    kr         = rope(kv[:, Hckv:], cos, sin, "interleave_half")
+    kv_cache[slot t] = [r] ckv[t];  kr_cache[slot t] = [r] kr[t]   for cache_index[t] >= 0
+
+The caches ``(BlockNum, BlockSize, 1, Hckv)`` and ``(BlockNum, BlockSize, 1, Dr)`` are
+updated in place: token ``t`` goes to slot ``cache_index[t]`` (block ``slot // BlockSize``,
+row ``slot % BlockSize``); a negative index skips the token. ``cache_mode="PA_BSND"``
+stores each block row-major; ``"PA_NZ"`` stores each block in the NZ layout of the Ascend
+cube unit, ``(width / c0, BlockSize, c0)`` with ``c0 = 32 bytes / itemsize``, in the same
+tensor (`nz_view` shows it). Duplicate non-negative indices leave one of the tokens' rows,
+unspecified which (as on Ascend).
+
+Triton backend: the query path runs through opforge's matmul, rms_norm and rope (each
+result rounded at CANN's points); the KV path is one fused kernel per block of tokens that
+computes the ``kv`` projection in float32, never stores it, and applies the RMSNorm, the
+interleave-half RoPE (the rope columns of the weight are read in rotated order, so each
+output element finds its partner in a second accumulator) and the scatter into both
+caches. The torch backend computes the same formula at float32 and writes only the
+indexed cache rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core import backends
+from opforge.core.errors import DtypeError, IndexRangeError, OpError, ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    KnownLimitation,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.shapes import is_unknown_rank
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.library import register_op
+from opforge.ops.rope import reference as rope_reference
+from opforge.ops.rope import rope_tables
+from opforge.precision.cases import LONG_ROW, generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import dot_operand, rounded_for, widen
+    from opforge.ops.rope import rope_indices
+except ImportError:  # pragma: no cover
+    triton = None
+
+NAME = "mla_prolog"
+CACHE_MODES = ("PA_BSND", "PA_NZ")
+NZ_BYTES = 32
+INDEX_DTYPES = (torch.int64, torch.int32)
+EPS_RANGE = (0.0, None)
+INPUT_NAMES = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr",
+               "rmsnorm_gamma_cq", "rmsnorm_gamma_ckv", "rope_sin", "rope_cos")
+
+
+def _sizes(inputs: Specs, attrs: Attrs) -> dict[str, object]:
+    """Every size of a call, checked for consistency.
+
+    Raises:
+        ShapeError: naming the tensor whose shape disagrees with the others.
+    """
+    (x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, index, kv_cache,
+     kr_cache) = inputs
+
+    def need(ok: bool, param: str, expected: object, got: object, what: str) -> None:
+        if not ok:
+            raise ShapeError(what, op=NAME, param=param, expected=expected, got=got)
+
+    need(len(x.shape) in (2, 3), "token_x", "(B, S, He) or (T, He)", tuple(x.shape),
+         "must be 2-D or 3-D")
+    tokens, he = tuple(x.shape[:-1]), x.shape[-1]
+    need(len(w_dq.shape) == 2 and w_dq.shape[0] == he, "weight_dq", f"({he}, Hcq)",
+         tuple(w_dq.shape), "must be (He, Hcq)")
+    hcq = w_dq.shape[1]
+    need(len(w_uk.shape) == 3, "weight_uk", "(N, D, Hckv)", tuple(w_uk.shape),
+         "must be 3-D")
+    n, d, hckv = w_uk.shape
+    need(len(sin.shape) == len(tokens) + 1 and tuple(sin.shape[:-1]) == tokens, "rope_sin",
+         (*tokens, "Dr"), tuple(sin.shape), "must be (*tokens, Dr)")
+    dr = sin.shape[-1]
+    need(dr % 2 == 0 and dr > 0, "rope_sin", "an even Dr", dr, "rope dim must be even")
+    need(tuple(cos.shape) == tuple(sin.shape), "rope_cos", tuple(sin.shape),
+         tuple(cos.shape), "must have rope_sin's shape")
+    need(tuple(w_uq_qr.shape) == (hcq, n * (d + dr)), "weight_uq_qr", (hcq, n * (d + dr)),
+         tuple(w_uq_qr.shape), "must be (Hcq, N * (D + Dr))")
+    need(tuple(w_dkv_kr.shape) == (he, hckv + dr), "weight_dkv_kr", (he, hckv + dr),
+         tuple(w_dkv_kr.shape), "must be (He, Hckv + Dr)")
+    need(tuple(gamma_cq.shape) == (hcq,), "rmsnorm_gamma_cq", (hcq,), tuple(gamma_cq.shape),
+         "must be (Hcq,)")
+    need(tuple(gamma_ckv.shape) == (hckv,), "rmsnorm_gamma_ckv", (hckv,),
+         tuple(gamma_ckv.shape), "must be (Hckv,)")
+    need(tuple(index.shape) == tokens, "cache_index", tokens, tuple(index.shape),
+         "must have token_x's token dims")
+    need(len(kv_cache.shape) == 4 and kv_cache.shape[2:] == (1, hckv), "kv_cache",
+         ("BlockNum", "BlockSize", 1, hckv), tuple(kv_cache.shape),
+         "must be (BlockNum, BlockSize, 1, Hckv)")
+    need(tuple(kr_cache.shape) == (*kv_cache.shape[:2], 1, dr), "kr_cache",
+         (*kv_cache.shape[:2], 1, dr), tuple(kr_cache.shape),
+         "must be (BlockNum, BlockSize, 1, Dr) like kv_cache")
+    col0 = NZ_BYTES // kv_cache.itemsize
+    if attrs["cache_mode"] == "PA_NZ":
+        for name, width in (("kv_cache", hckv), ("kr_cache", dr)):
+            need(width % col0 == 0, name, f"a multiple of {col0}", width,
+                 "PA_NZ needs the last dim in whole 32-byte columns")
+    return {"tokens": tokens, "t": math.prod(tokens), "he": he, "hcq": hcq, "n": n, "d": d,
+            "hckv": hckv, "dr": dr, "blocks": kv_cache.shape[0],
+            "block_size": kv_cache.shape[1], "col0": col0}
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    if any(is_unknown_rank(t.shape) for t in inputs):
+        return
+    first = inputs[0]
+    for name, spec in zip(("weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr",
+                           "rmsnorm_gamma_cq", "rmsnorm_gamma_ckv", "rope_sin", "rope_cos",
+                           "cache_index", "kv_cache", "kr_cache"), inputs[1:]):
+        if name != "cache_index" and spec.dtype != first.dtype:
+            raise DtypeError("must have token_x's dtype", op=NAME, param=name,
+                             expected=str(first.dtype).removeprefix("torch."),
+                             got=str(spec.dtype).removeprefix("torch."))
+    _sizes(inputs, attrs)
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    sizes = _sizes(inputs, attrs)
+    tokens, n = sizes["tokens"], sizes["n"]
+    return [(*tokens, n, sizes["hckv"]), (*tokens, n, sizes["dr"])]
+
+
+def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype, inputs[0].dtype]
+
+
+def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    s = _sizes(inputs, attrs)
+    t, he, hcq, n, d, hckv, dr = (s[k] for k in ("t", "he", "hcq", "n", "d", "hckv", "dr"))
+    flops = 2 * t * (he * hcq + hcq * n * (d + dr) + n * d * hckv + he * (hckv + dr))
+    weights = sum(spec.numel for spec in inputs[1:8])
+    moved = (inputs[0].numel + weights + sum(o.numel for o in outputs)
+             + 2 * t * (hckv + dr) + 2 * t * dr) * inputs[0].itemsize
+    return Cost(flops=flops, bytes_moved=moved)
+
+
+def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+            ) -> list[Tiling]:
+    """The fused KV kernel's blocks: ``BLOCK_T`` tokens, ``BLOCK_K`` of He per step, the
+    whole latent row (``BLOCK_C``) and two rotated rope accumulators (``BLOCK_R``) held,
+    so that the RMSNorm sees complete rows. 16 tokens a program (the dot's minimum) on
+    GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps."""
+    # Tiling sees power-of-two buckets of the shapes: read the sizes, check nothing.
+    x, hckv, dr = inputs[0], inputs[3].shape[2], inputs[7].shape[-1]
+    item = x.itemsize
+    block_c, block_r = max(16, next_power_of_2(hckv)), max(16, next_power_of_2(dr))
+    cpu = hardware.device_type == "cpu"
+    block_t = max(16, min(64 if cpu else 16, next_power_of_2(math.prod(x.shape[:-1]))))
+    block_k = max(16, min(256 if cpu else (64 if item <= 2 else 32),
+                          next_power_of_2(x.shape[-1])))
+    candidates = []
+    while True:
+        onchip = 2 * block_k * (block_t + block_c + 2 * block_r) * item \
+            + block_t * (block_c + 2 * block_r) * 4
+        candidates.append(Tiling(
+            "fused_kv", {"BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_C": block_c,
+                         "BLOCK_R": block_r}, onchip, double_buffered=False,
+            options={"warps": gpu_warps(block_t * (block_c + 2 * block_r), hardware),
+                     "stages": 2 if hardware.device_type == "cuda" else None}))
+        if block_k == 16:
+            return candidates
+        block_k //= 2
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    tokens = _sizes(inputs, attrs)["t"]
+    return (max(1, min(cdiv(tokens, tiling.blocks["BLOCK_T"]), MAX_PROGRAMS)),)
+
+
+def nz_view(cache: torch.Tensor) -> torch.Tensor:
+    """A ``PA_NZ`` cache ``(BlockNum, BlockSize, 1, W)`` seen as its storage
+    ``(BlockNum, W / c0, BlockSize, c0)``, ``c0 = 32 bytes / itemsize``."""
+    blocks, block_size, _, width = cache.shape
+    return cache.view(blocks, width // _col0(cache), block_size, _col0(cache))
+
+
+def cache_rows(cache: torch.Tensor, cache_mode: str = "PA_BSND") -> torch.Tensor:
+    """The cache as ``(BlockNum * BlockSize, W)`` rows in slot order, whatever its
+    layout (a view for ``PA_BSND``, a copy for ``PA_NZ``)."""
+    blocks, block_size, _, width = cache.shape
+    if cache_mode == "PA_BSND":
+        return cache.view(blocks * block_size, width)
+    return nz_view(cache).permute(0, 2, 1, 3).reshape(blocks * block_size, width)
+
+
+def _slot_offsets(slots: torch.Tensor, width: int, block_size: int, nz: bool, col0: int
+                  ) -> torch.Tensor:
+    """Flat element offsets ``(len(slots), width)`` of the cache rows of ``slots``."""
+    cols = torch.arange(width, device=slots.device)
+    if not nz:
+        return slots[:, None] * width + cols[None, :]
+    block, row = slots // block_size, slots % block_size
+    return (block * block_size * width)[:, None] + (cols // col0 * block_size * col0)[None, :] \
+        + (row * col0)[:, None] + (cols % col0)[None, :]
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    return [
+        Case("t5_bsnd", mla_inputs(5, dtype, device, generator)),
+        Case("b2s3_nz", mla_inputs((2, 3), dtype, device, generator), {"cache_mode": "PA_NZ"}),
+        Case("wide_heads_n8_d32_dr16", mla_inputs(7, dtype, device, generator, he=96, hcq=40,
+                                                  hckv=48, n=8, d=32, dr=16),
+             {"rmsnorm_epsilon_cq": 1e-6, "rmsnorm_epsilon_ckv": 1e-3}),
+        Case("all_skipped", mla_inputs(4, dtype, device, generator, skip_all=True)),
+        Case("zero_tokens", mla_inputs(0, dtype, device, generator)),
+    ]
+
+
+def mla_inputs(tokens: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               generator: torch.Generator, he: int = 64, hcq: int = 48, hckv: int = 32,
+               n: int = 4, d: int = 16, dr: int = 16, block_size: int = 16, blocks: int = 4,
+               x: torch.Tensor | None = None, skip_all: bool = False
+               ) -> tuple[torch.Tensor, ...]:
+    """Inputs of one call in prototype order: weights normal over sqrt(fan-in), gammas
+    near 1, interleave-half rope tables of the token positions, distinct random slots
+    with every third token skipped (-1), caches filled with normal values (untouched rows
+    must stay as they were)."""
+    shape = tokens if isinstance(tokens, tuple) else (tokens,)
+    t = math.prod(shape)
+
+    def normal(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(size, generator=generator, dtype=torch.float64) * scale).to(
+            device, dtype)
+
+    if x is None:
+        x = normal(*shape, he)
+    cos, sin = rope_tables(torch.arange(t), dr, "interleave_half")
+    slots = torch.randperm(blocks * block_size, generator=generator)[:t]
+    slots[1::3] = -1
+    if skip_all:
+        slots[:] = -1
+    return (x, normal(he, hcq, scale=he ** -0.5), normal(hcq, n * (d + dr), scale=hcq ** -0.5),
+            normal(n, d, hckv, scale=d ** -0.5), normal(he, hckv + dr, scale=he ** -0.5),
+            (1 + 0.1 * torch.randn(hcq, generator=generator)).to(device, dtype),
+            (1 + 0.1 * torch.randn(hckv, generator=generator)).to(device, dtype),
+            sin.reshape(*shape, dr).to(device, dtype), cos.reshape(*shape, dr).to(device, dtype),
+            slots.reshape(shape).to(device), normal(blocks, block_size, 1, hckv),
+            normal(blocks, block_size, 1, dr))
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """token_x drawn from the kind as ``(T, He)``: T the shape's leading size (at most 64),
+    He 64, or He = 65537 for ``long_rows`` (long projections); the other inputs as in
+    `mla_inputs`, at least one slot per token."""
+    tokens = min(shape[0], 64)
+    he = LONG_ROW if kind == "long_rows" else 64
+    x = generate(kind, (tokens, he), dtype, device=device, generator=generator)
+    blocks = max(4, cdiv(tokens, 16))
+    return [Case("", mla_inputs(tokens, dtype, device, generator, he=he, x=x, blocks=blocks))]
+
+
+def _magnitude_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                     golden: torch.Tensor, output: str) -> torch.Tensor:
+    """The formula evaluated on magnitudes (each product on |operands|, the RMSNorm's rstd
+    of the true rows, the rotation as |x p||cos| + |x q||sin|), in float64; untouched
+    cache entries keep |golden|."""
+    results = dict(zip(("query", "query_rope", "kv_cache", "kr_cache"),
+                       _rows(*inputs, compute_dtype=torch.float64, magnitudes=True,
+                             rounded=torch.float64, **attrs)))
+    if output in ("query", "query_rope"):
+        scale = results[output]
+    else:
+        scale = _scattered(golden.abs(), results[output].abs(), inputs[9], attrs,
+                           _col0(inputs[10]))
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _torch_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor,
+                      weight_uq_qr: torch.Tensor, weight_uk: torch.Tensor,
+                      weight_dkv_kr: torch.Tensor, rmsnorm_gamma_cq: torch.Tensor,
+                      rmsnorm_gamma_ckv: torch.Tensor, rope_sin: torch.Tensor,
+                      rope_cos: torch.Tensor, cache_index: torch.Tensor,
+                      kv_cache: torch.Tensor, kr_cache: torch.Tensor,
+                      rmsnorm_epsilon_cq: float, rmsnorm_epsilon_ckv: float,
+                      cache_mode: str) -> tuple[torch.Tensor, ...]:
+    """the same computation composed of torch ops in the inputs' dtype"""
+    tokens, dr = token_x.shape[:-1], rope_sin.shape[-1]
+    n, d, hckv = weight_uk.shape
+    x = token_x.reshape(-1, token_x.shape[-1])
+    cos, sin = rope_cos.reshape(-1, dr), rope_sin.reshape(-1, dr)
+    norm = torch.nn.functional.rms_norm
+    cq = norm(x @ weight_dq, (weight_dq.shape[1],), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+    qq = (cq @ weight_uq_qr).view(-1, n, d + dr)
+    query = torch.einsum("tnd,ndc->tnc", qq[..., :d], weight_uk)
+    query_rope = rope_reference(qq[..., d:], cos[:, None], sin[:, None],
+                                compute_dtype=torch.float32, mode="interleave_half")
+    kv = x @ weight_dkv_kr
+    ckv = norm(kv[:, :hckv], (hckv,), rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
+    kr = rope_reference(kv[:, hckv:], cos, sin, compute_dtype=torch.float32,
+                        mode="interleave_half").to(kv.dtype)
+    attrs = {"cache_mode": cache_mode}
+    return (query.reshape(*tokens, n, hckv), query_rope.to(x.dtype).reshape(*tokens, n, dr),
+            _scattered(kv_cache, ckv, cache_index, attrs, _col0(kv_cache)),
+            _scattered(kr_cache, kr, cache_index, attrs, _col0(kv_cache)))
+
+
+OVERFLOWING_PROJECTIONS = KnownLimitation(
+    "token_x near the dtype's maximum: the projections overflow float32 accumulation and "
+    "the input dtype at CANN's rounding points (cq and qq are stored in it), where the "
+    "unrounded float64 golden stays finite; torch's composition of the same ops overflows "
+    "alike (its NaN/Inf fall on the same rows).", case="large_*", failures="*NaN/Inf*")
+
+MLA_PROLOG = OpDef(
+    name=NAME, doc="DeepSeek MLA preprocessing (torch_npu.npu_mla_prolog V1): queries, "
+                   "query rope, and the latent KV and rope rows scattered into paged caches "
+                   "in place. Forward only.",
+    inputs=(*(TensorArg(name) for name in INPUT_NAMES),
+            TensorArg("cache_index", dtypes=INDEX_DTYPES),
+            TensorArg("kv_cache", mutated=True), TensorArg("kr_cache", mutated=True)),
+    outputs=(OutputArg("query"), OutputArg("query_rope")),
+    attrs=(Attr("rmsnorm_epsilon_cq", "float", 1e-5, range=EPS_RANGE),
+           Attr("rmsnorm_epsilon_ckv", "float", 1e-5, range=EPS_RANGE),
+           Attr("cache_mode", "str", "PA_BSND", choices=CACHE_MODES)),
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
+    tiling=_tiling, grid=_grid, samples=_samples, error_scale=_magnitude_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_mla_prolog, sweep=_sweep,
+                            known_limitations=(OVERFLOWING_PROJECTIONS,)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def _rms(rows: torch.Tensor, gamma: torch.Tensor, eps: float, compute_dtype: torch.dtype,
+         magnitudes: bool, reference_rows: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of ``rows`` with the rstd of ``reference_rows`` (the true rows: on
+    magnitudes, |rows| is normalised by the statistic of the real ones)."""
+    rstd = torch.rsqrt(reference_rows.square().mean(-1, keepdim=True) + eps)
+    gamma = gamma.to(compute_dtype)
+    return rows * rstd * (gamma.abs() if magnitudes else gamma)
+
+
+def _rows(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
+          weight_uk: torch.Tensor, weight_dkv_kr: torch.Tensor, gamma_cq: torch.Tensor,
+          gamma_ckv: torch.Tensor, rope_sin: torch.Tensor, rope_cos: torch.Tensor,
+          cache_index: torch.Tensor, kv_cache: torch.Tensor, kr_cache: torch.Tensor, *,
+          compute_dtype: torch.dtype, rmsnorm_epsilon_cq: float, rmsnorm_epsilon_ckv: float,
+          cache_mode: str, rounded: torch.dtype, magnitudes: bool = False
+          ) -> tuple[torch.Tensor, ...]:
+    """(query, query_rope, ckv rows, kr rows) in ``compute_dtype``, rounded to
+    ``rounded`` at CANN's points; ``magnitudes``: every product on absolute values."""
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(rounded).to(compute_dtype)
+
+    def w(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(compute_dtype)
+        return t.abs() if magnitudes else t
+
+    tokens, dr = token_x.shape[:-1], rope_sin.shape[-1]
+    n, d, hckv = weight_uk.shape
+    x = token_x.reshape(-1, token_x.shape[-1]).to(compute_dtype)
+    cos = rope_cos.reshape(-1, dr).to(compute_dtype)
+    sin = rope_sin.reshape(-1, dr).to(compute_dtype)
+    if magnitudes:
+        cos, sin = cos.abs(), sin.abs()
+    true_cq = r(x @ weight_dq.to(compute_dtype))
+    cq_rows = w(x) @ w(weight_dq) if magnitudes else true_cq
+    cq = r(_rms(cq_rows, gamma_cq, rmsnorm_epsilon_cq, compute_dtype, magnitudes, true_cq))
+    qq = r(cq @ w(weight_uq_qr)).view(-1, n, d + dr)
+    query = r(torch.einsum("tnd,ndc->tnc", qq[..., :d], w(weight_uk)))
+    rope_mode = {"compute_dtype": compute_dtype, "mode": "interleave_half",
+                 "magnitudes": magnitudes}
+    query_rope = r(rope_reference(qq[..., d:], cos[:, None], sin[:, None], **rope_mode))
+    true_kv = x @ weight_dkv_kr.to(compute_dtype)
+    kv = w(x) @ w(weight_dkv_kr) if magnitudes else true_kv
+    ckv = _rms(kv[:, :hckv], gamma_ckv, rmsnorm_epsilon_ckv, compute_dtype, magnitudes,
+               true_kv[:, :hckv])
+    kr = rope_reference(kv[:, hckv:], cos, sin, **rope_mode)
+    return (query.reshape(*tokens, n, hckv), query_rope.reshape(*tokens, n, dr), ckv, kr)
+
+
+def _col0(cache: torch.Tensor) -> int:
+    """Elements in one 32-byte NZ column of the cache's dtype."""
+    return NZ_BYTES // cache.element_size()
+
+
+def _scattered(cache: torch.Tensor, rows: torch.Tensor, cache_index: torch.Tensor,
+               attrs: Attrs, col0: int) -> torch.Tensor:
+    """A copy of ``cache`` with ``rows`` written at the slots of ``cache_index`` (negative
+    slots skipped), in ``rows``' dtype; ``col0``: the NZ column of the real cache's dtype."""
+    result = cache.to(rows.dtype).clone()
+    _write_rows(result, rows, cache_index, attrs["cache_mode"], col0)
+    return result
+
+
+def _write_rows(cache: torch.Tensor, rows: torch.Tensor, cache_index: torch.Tensor,
+                cache_mode: str, col0: int) -> None:
+    """Write ``rows`` (rounded to the cache's dtype) into ``cache`` in place."""
+    slots = cache_index.reshape(-1).to(torch.int64)
+    keep = slots >= 0
+    width = cache.shape[-1]
+    offsets = _slot_offsets(slots[keep], width, cache.shape[1], cache_mode == "PA_NZ", col0)
+    cache.view(-1)[offsets.reshape(-1)] = rows[keep].reshape(-1).to(cache.dtype)
+
+
+@MLA_PROLOG.reference
+def reference(*inputs: torch.Tensor, compute_dtype: torch.dtype, rmsnorm_epsilon_cq: float,
+              rmsnorm_epsilon_ckv: float, cache_mode: str
+              ) -> tuple[torch.Tensor, ...]:
+    """(query, query_rope, kv_cache, kr_cache) in ``compute_dtype``, rounded at CANN's
+    points to the inputs' dtype (not at all for the float64 golden); the caches are new
+    tensors (the reference never writes its inputs)."""
+    attrs = {"rmsnorm_epsilon_cq": rmsnorm_epsilon_cq,
+             "rmsnorm_epsilon_ckv": rmsnorm_epsilon_ckv, "cache_mode": cache_mode}
+    query, query_rope, ckv, kr = _rows(*inputs, compute_dtype=compute_dtype,
+                                       rounded=inputs[0].dtype, **attrs)
+    col0 = _col0(inputs[10])
+    return (query, query_rope, _scattered(inputs[10], ckv, inputs[9], attrs, col0),
+            _scattered(inputs[11], kr, inputs[9], attrs, col0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _cache_offsets(slots, cols, WIDTH, block_size, NZ: tl.constexpr, COL0: tl.constexpr):
+        """Element offsets of (slot, column) pairs in a PA_BSND or PA_NZ cache."""
+        if NZ:
+            block = slots // block_size
+            row = slots % block_size
+            return (block * block_size * WIDTH)[:, None] \
+                + ((cols // COL0) * block_size * COL0)[None, :] \
+                + (row * COL0)[:, None] + (cols % COL0)[None, :]
+        else:
+            return slots[:, None] * WIDTH + cols[None, :]
+
+    @triton.jit
+    def _mla_kv_kernel(x_ptr, w_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr, kr_ptr,
+                       T, HE, HCKV, DR, stride_xt, stride_xk, stride_wk, stride_wn, eps,
+                       block_size, NZ: tl.constexpr, COL0: tl.constexpr,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Per block of tokens: kv = x @ W in float32 (latent columns, and the rope columns
+        twice, in the rotation's source and partner orders), RMSNorm of the latent row,
+        interleave-half RoPE, scatter of both into the caches."""
+        latent = tl.arange(0, BLOCK_C)
+        rope = tl.arange(0, BLOCK_R)
+        source, _, partner, _, sign = rope_indices(rope, DR, "interleave_half", False)
+        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+            rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            row_mask = rows < T
+            acc_c = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            acc_p = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+            acc_q = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+            for start in range(0, HE, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                k_mask = ks < HE
+                x = dot_operand(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
+                                row_mask[:, None] & k_mask[None, :], UPCAST)
+                w_rows = w_ptr + ks[:, None] * stride_wk
+                w_c = dot_operand(w_rows + latent[None, :] * stride_wn,
+                                  k_mask[:, None] & (latent < HCKV)[None, :], UPCAST)
+                rope_mask = k_mask[:, None] & (rope < DR)[None, :]
+                w_p = dot_operand(w_rows + (HCKV + source)[None, :] * stride_wn, rope_mask,
+                                  UPCAST)
+                w_q = dot_operand(w_rows + (HCKV + partner)[None, :] * stride_wn, rope_mask,
+                                  UPCAST)
+                acc_c = tl.dot(x, w_c, acc_c, input_precision=PRECISION)
+                acc_p = tl.dot(x, w_p, acc_p, input_precision=PRECISION)
+                acc_q = tl.dot(x, w_q, acc_q, input_precision=PRECISION)
+            rstd = 1.0 / tl.sqrt(tl.sum(acc_c * acc_c, 1) / HCKV + eps)
+            gamma = widen(tl.load(gamma_ptr + latent, mask=latent < HCKV, other=0.0))
+            ckv = acc_c * rstd[:, None] * gamma[None, :]
+            table = rows[:, None] * DR + rope[None, :]
+            table_mask = row_mask[:, None] & (rope < DR)[None, :]
+            cos = widen(tl.load(cos_ptr + table, mask=table_mask, other=0.0))
+            sin = widen(tl.load(sin_ptr + table, mask=table_mask, other=0.0))
+            kr = acc_p * cos + sign[None, :] * acc_q * sin
+            slots = tl.load(index_ptr + rows, mask=row_mask, other=-1)  # integer index
+            slots = slots.to(tl.int64)
+            keep = (slots >= 0) & row_mask
+            slots = tl.where(keep, slots, 0)
+            kv_offsets = _cache_offsets(slots, latent, HCKV, block_size, NZ, COL0)
+            tl.store(kv_ptr + kv_offsets, rounded_for(ckv, kv_ptr),
+                     mask=keep[:, None] & (latent < HCKV)[None, :])
+            kr_offsets = _cache_offsets(slots, rope, DR, block_size, NZ, COL0)
+            tl.store(kr_ptr + kr_offsets, rounded_for(kr, kr_ptr),
+                     mask=keep[:, None] & (rope < DR)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _checked_call(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
+    """Contiguous caches (written in place by offset) and every slot below
+    BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
+    device-to-host read of the largest slot.
+
+    Raises:
+        OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
+    """
+    for name, cache in (("kv_cache", inputs[10]), ("kr_cache", inputs[11])):
+        if not cache.is_contiguous():
+            raise OpError("must be contiguous (it is updated in place)", op=NAME,
+                          param=name, expected="a contiguous tensor",
+                          got=f"strides {cache.stride()}")
+    cache_index = inputs[9]
+    if cache_index.numel() == 0:
+        return
+    kv_cache = plan.inputs[10]
+    slots = kv_cache.shape[0] * kv_cache.shape[1]
+    largest = int(cache_index.max())
+    if largest >= slots:
+        raise IndexRangeError("holds a slot beyond the cache", op=NAME, param="cache_index",
+                              expected=f"< BlockNum * BlockSize = {slots} (or negative)",
+                              got=largest)
+
+
+@MLA_PROLOG.launcher("torch")
+def launch_torch(plan: object, inputs: Sequence[torch.Tensor | None],
+                 outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The formula at float32 (float64 for float64 inputs), writing only the indexed rows
+    of the caches."""
+    _checked_call(plan, inputs)
+    wide = inputs[0].dtype == torch.float64
+    query, query_rope, ckv, kr = _rows(*inputs, compute_dtype=torch.float64 if wide
+                                       else torch.float32, rounded=inputs[0].dtype,
+                                       **plan.attrs)
+    outputs[0].copy_(query)
+    outputs[1].copy_(query_rope)
+    col0 = _col0(inputs[10])
+    _write_rows(inputs[10], ckv, inputs[9], plan.attrs["cache_mode"], col0)
+    _write_rows(inputs[11], kr, inputs[9], plan.attrs["cache_mode"], col0)
+
+
+@MLA_PROLOG.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The query path through opforge's matmul, rms_norm and rope; the KV path in the
+    fused kernel."""
+    (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
+     kv_cache, kr_cache) = inputs
+    _checked_call(plan, inputs)
+    n, d, hckv = w_uk.shape
+    dr = sin.shape[-1]
+    x = token_x.reshape(-1, token_x.shape[-1])
+    t = x.shape[0]
+    ops = torch.ops.opforge
+    cq, _ = ops.rms_norm(ops.matmul(x, w_dq), gamma_cq, plan.attrs["rmsnorm_epsilon_cq"])
+    qq = ops.matmul(cq, w_uq_qr).view(t, n, d + dr)
+    query = outputs[0].view(t, n, hckv)
+    query.transpose(0, 1).copy_(ops.matmul(qq[..., :d].transpose(0, 1), w_uk))
+    tables = (sin.reshape(t, 1, dr), cos.reshape(t, 1, dr))
+    outputs[1].view(t, n, dr).copy_(ops.rope(qq[..., d:], tables[1], tables[0],
+                                             "interleave_half"))
+    rows_cos = cos.reshape(t, dr).contiguous()
+    rows_sin = sin.reshape(t, dr).contiguous()
+    tiling = plan.tiling
+    col0 = _col0(kv_cache)
+    _mla_kv_kernel[plan.grid](
+        x, w_dkv_kr, gamma_ckv.contiguous(), rows_cos, rows_sin,
+        cache_index.reshape(-1).contiguous(), kv_cache,
+        kr_cache, t, x.shape[1], hckv, dr, *x.stride(), *w_dkv_kr.stride(),
+        plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1],
+        NZ=plan.attrs["cache_mode"] == "PA_NZ", COL0=col0,
+        UPCAST=backends.interpreter_enabled(),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiling.blocks,
+        **launch_options(tiling))
+
+
+register_op(MLA_PROLOG)

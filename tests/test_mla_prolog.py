@@ -1,0 +1,174 @@
+"""MlaProlog: the float64 golden, the CANN rounding formula, in-place cache updates in both
+layouts, token layouts, errors, the torch op's mutation schema, torch_npu compatibility
+and properties over MLA sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import opforge
+from opforge.compat.torch_npu import npu_mla_prolog
+from opforge.core.opdef import Case
+from opforge.ops.mla_prolog import cache_rows, mla_inputs, nz_view
+
+from .conftest import DEVICE, LOW_PRECISION, assert_golden
+
+MLA = opforge.get_op("mla_prolog")
+
+
+def _inputs(tokens: int | tuple[int, ...] = 6, dtype: torch.dtype = torch.bfloat16,
+            seed: int = 0, **sizes: int) -> list[torch.Tensor]:
+    return list(mla_inputs(tokens, dtype, DEVICE, torch.Generator().manual_seed(seed),
+                           **sizes))
+
+
+def _run(inputs: list[torch.Tensor], **attrs: object) -> tuple[torch.Tensor, ...]:
+    return opforge.mla_prolog(*inputs, **attrs)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_samples_match_the_golden(dtype, backend):
+    for case in MLA.samples(dtype, DEVICE, torch.Generator().manual_seed(2)):
+        inputs = [t.clone() for t in case.inputs]
+        assert_golden(MLA, case, opforge.mla_prolog(*inputs, **case.attrs))
+
+
+def test_triton_matches_the_cann_rounding_formula():
+    """bf16: the Triton path rounds where CANN's golden rounds; against that formula at
+    float32 (the torch backend) every output is within one bf16 ulp and nearly all
+    elements are equal."""
+    inputs = _inputs(9, seed=3, he=128, hcq=64, hckv=64, n=4, d=32, dr=16)
+    with opforge.use_backend("torch"):
+        expected = _run([t.clone() for t in inputs])
+    with opforge.use_backend("triton"):
+        actual = _run([t.clone() for t in inputs])
+    for ours, cann in zip(actual, expected):
+        ulp = torch.finfo(torch.bfloat16).eps * cann.float().abs().clamp_min(1e-3)
+        assert ((ours.float() - cann.float()).abs() <= ulp).all()
+        assert (ours == cann).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("mode", ["PA_BSND", "PA_NZ"])
+def test_caches_are_updated_in_place_row_by_row(mode, backend):
+    inputs = _inputs(7, seed=4)
+    kv_before, kr_before = inputs[10].clone(), inputs[11].clone()
+    _, _, kv_out, kr_out = _run(inputs, cache_mode=mode)
+    assert kv_out is inputs[10] and kr_out is inputs[11]
+    slots = inputs[9]
+    written = slots[slots >= 0]
+    untouched = torch.ones(kv_before.shape[0] * kv_before.shape[1], dtype=torch.bool)
+    untouched[written] = False
+    for before, after in ((kv_before, kv_out), (kr_before, kr_out)):
+        rows_before, rows_after = cache_rows(before, mode), cache_rows(after, mode)
+        assert torch.equal(rows_before[untouched], rows_after[untouched])
+        assert not torch.equal(rows_before[written], rows_after[written])
+
+
+def test_nz_layout_holds_the_same_rows_as_bsnd(backend):
+    inputs = _inputs(6, seed=5)
+    plain = _run([t.clone() for t in inputs])
+    nz_inputs = [t.clone() for t in inputs]
+    for i in (10, 11):  # the same starting rows, stored in the NZ layout
+        nz_view(nz_inputs[i]).copy_(inputs[i].view(inputs[i].shape[0], inputs[i].shape[1],
+                                                   -1, 16).permute(0, 2, 1, 3))
+    nz = _run(nz_inputs, cache_mode="PA_NZ")
+    assert torch.equal(plain[0], nz[0]) and torch.equal(plain[1], nz[1])
+    for i in (2, 3):
+        assert torch.equal(cache_rows(plain[i]), cache_rows(nz[i], "PA_NZ"))
+
+
+def test_batch_and_token_layouts_agree(backend):
+    flat = _inputs(6, seed=6)
+    batched = [t.clone() for t in flat]
+    for i in (0, 7, 8):
+        batched[i] = batched[i].reshape(2, 3, -1)
+    batched[9] = batched[9].reshape(2, 3)
+    a = _run(flat)
+    b = _run(batched)
+    assert b[0].shape == (2, 3, 4, 32) and b[1].shape == (2, 3, 4, 16)
+    assert torch.equal(a[0], b[0].reshape(a[0].shape)) and torch.equal(a[2], b[2])
+
+
+def test_empty_batch_leaves_caches_untouched(backend):
+    inputs = _inputs(0)
+    before = inputs[10].clone()
+    query, query_rope, kv, _ = _run(inputs)
+    assert query.shape == (0, 4, 32) and query_rope.shape == (0, 4, 16)
+    assert torch.equal(kv, before)
+
+
+def test_slot_beyond_the_cache_raises_before_any_write(backend):
+    inputs = _inputs(5)
+    inputs[9][2] = inputs[10].shape[0] * inputs[10].shape[1]
+    before = inputs[10].clone()
+    with pytest.raises(opforge.IndexRangeError) as raised:
+        _run(inputs)
+    assert raised.value.param == "cache_index" and torch.equal(inputs[10], before)
+
+
+@pytest.mark.parametrize("index, shape, param", [
+    (2, (48, 4 * 30), "weight_uq_qr"),
+    (4, (64, 40), "weight_dkv_kr"),
+    (5, (47,), "rmsnorm_gamma_cq"),
+    (8, (5, 16), "rope_cos"),
+    (9, (5,), "cache_index"),
+    (11, (4, 16, 1, 8), "kr_cache"),
+])
+def test_inconsistent_shapes_name_the_tensor(index, shape, param):
+    inputs = _inputs(6)
+    inputs[index] = torch.zeros(shape, dtype=inputs[index].dtype, device=DEVICE)
+    with pytest.raises(opforge.ShapeError) as raised:
+        _run(inputs)
+    assert raised.value.param == param
+
+
+def test_other_errors():
+    inputs = _inputs(4)
+    mixed = [*inputs[:3], inputs[3].float(), *inputs[4:]]
+    with pytest.raises(opforge.DtypeError):
+        _run(mixed)
+    strided = [*inputs[:10], inputs[10].transpose(0, 1).contiguous().transpose(0, 1),
+               inputs[11]]
+    with pytest.raises(opforge.OpError, match="contiguous"):
+        _run(strided)
+    with pytest.raises(opforge.AttrError):
+        _run(inputs, cache_mode="BSND")
+    narrow = _inputs(4, hckv=24)
+    with pytest.raises(opforge.ShapeError, match="32-byte"):
+        _run(narrow, cache_mode="PA_NZ")
+
+
+def test_torch_op_declares_the_caches_mutated():
+    schema = torch.ops.opforge.mla_prolog.default._schema
+    written = {arg.name for arg in schema.arguments
+               if arg.alias_info is not None and arg.alias_info.is_write}
+    assert written == {"kv_cache", "kr_cache"} and len(schema.returns) == 2
+    inputs = _inputs(3, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.opforge.mla_prolog, tuple(inputs),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compat_signature_and_quantisation_refusal():
+    inputs = _inputs(4, seed=8)
+    expected = _run([t.clone() for t in inputs])
+    actual = npu_mla_prolog(*[t.clone() for t in inputs], rmsnorm_epsilon_cq=1e-5,
+                            cache_mode="PA_BSND")
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    with pytest.raises(opforge.UnsupportedError):
+        npu_mla_prolog(*inputs, quant_scale_ckv=torch.ones(1))
+
+
+@given(tokens=st.integers(1, 20), he=st.integers(8, 80), hcq=st.integers(8, 40),
+       n=st.integers(1, 5), d=st.integers(4, 40), dr=st.sampled_from([16, 32]),
+       hckv=st.sampled_from([16, 48, 64]), mode=st.sampled_from(["PA_BSND", "PA_NZ"]))
+def test_property_over_mla_sizes(tokens, he, hcq, n, d, dr, hckv, mode):
+    generator = torch.Generator().manual_seed(tokens * 7 + he)
+    inputs = mla_inputs(tokens, torch.bfloat16, DEVICE, generator, he=he, hcq=hcq, n=n, d=d,
+                        dr=dr, hckv=hckv, blocks=2)
+    case = Case("property", inputs, {"cache_mode": mode})
+    with opforge.use_backend("triton"):
+        outputs = opforge.mla_prolog(*[t.clone() for t in inputs], cache_mode=mode)
+    assert_golden(MLA, case, outputs)
