@@ -36,6 +36,21 @@ def test_samples_match_the_golden(op, dtype, backend):
         assert_golden(op, case, outputs)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (1, 63), (63, 63), (63, 1000), (1000, 1000)])
+def test_odd_lengths_with_gqa_forward_and_backward(sq, sk, causal, backend):
+    """Lengths 1, 63 and 1000, 4 query heads over 2 key/value heads, bf16, against the
+    float64 golden (forward, then the backward from the forward's own out and lse)."""
+    q, k, v = _qkv(1, 4, 2, sq, sk, 16, dtype=torch.bfloat16, seed=sq + sk)
+    attrs = {"causal": causal}
+    out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
+    assert_golden(ATTENTION, Case("odd", (q, k, v), attrs), (out, lse))
+    dout = torch.randn_like(q)
+    grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    assert_golden(ATTENTION_BACKWARD, Case("odd", (dout, q, k, v, out, lse, None), attrs),
+                  grads)
+
+
 def test_causal_is_aligned_bottom_right(backend):
     """Query i sees keys j <= i + Sk - Sq: the last query sees every key, and with
     Sq == Sk the mask is SDPA's is_causal."""

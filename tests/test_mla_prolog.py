@@ -172,3 +172,20 @@ def test_property_over_mla_sizes(tokens, he, hcq, n, d, dr, hckv, mode):
     with opforge.use_backend("triton"):
         outputs = opforge.mla_prolog(*[t.clone() for t in inputs], cache_mode=mode)
     assert_golden(MLA, case, outputs)
+
+
+def test_works_under_torch_compile_with_the_caches_updated():
+    inputs = _inputs(5, dtype=torch.float32, seed=9)
+    eager = [t.clone() for t in inputs]
+    expected = _run(eager)
+
+    def step(*tensors):
+        query, query_rope, _, _ = opforge.mla_prolog(*tensors)
+        return query, query_rope
+
+    compiled_inputs = [t.clone() for t in inputs]
+    query, query_rope = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        *compiled_inputs)
+    assert torch.equal(query, expected[0]) and torch.equal(query_rope, expected[1])
+    assert torch.equal(compiled_inputs[10], eager[10])
+    assert torch.equal(compiled_inputs[11], eager[11])

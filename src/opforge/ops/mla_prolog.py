@@ -336,8 +336,9 @@ def _torch_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor,
 OVERFLOWING_PROJECTIONS = KnownLimitation(
     "token_x near the dtype's maximum: the projections overflow float32 accumulation and "
     "the input dtype at CANN's rounding points (cq and qq are stored in it), where the "
-    "unrounded float64 golden stays finite; torch's composition of the same ops overflows "
-    "alike (its NaN/Inf fall on the same rows).", case="large_*", failures="*NaN/Inf*")
+    "unrounded float64 golden stays finite. Any implementation that stores cq and qq in "
+    "the input dtype, as CANN's golden does, overflows there too.", case="large_*",
+    failures="*NaN/Inf*")
 
 MLA_PROLOG = OpDef(
     name=NAME, doc="DeepSeek MLA preprocessing (torch_npu.npu_mla_prolog V1): queries, "
