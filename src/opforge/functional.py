@@ -16,6 +16,7 @@ import opforge.ops.gelu
 import opforge.ops.layer_norm
 import opforge.ops.matmul
 import opforge.ops.mla_prolog
+import opforge.ops.moe_gating
 import opforge.ops.reduce_sum
 import opforge.ops.rms_norm
 import opforge.ops.rope
@@ -260,3 +261,52 @@ def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: tor
         rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index, kv_cache, kr_cache,
         rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, cache_mode)
     return query, query_rope, kv_cache, kr_cache
+
+
+def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = None,
+                     k_group: int = 1, group_count: int = 1, group_select_mode: int = 0,
+                     renorm: int = 0, norm_type: int = 0, out_flag: bool = False,
+                     routed_scaling_factor: float = 1.0, eps: float = 1e-20
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE routing with CANN MoeGatingTopK's semantics (formula in
+    `opforge.ops.moe_gating`): softmax (``norm_type=0``) or sigmoid (1) scores in float32,
+    ``bias`` for selection only, the best ``k_group`` of ``group_count`` groups (by max,
+    ``group_select_mode=0``, or top-2 sum, 1), top-k (ties: lower index), weights from the
+    un-biased scores, renormalised with ``+ eps`` for sigmoid always and for softmax when
+    ``renorm=1``, times ``routed_scaling_factor``.
+
+    Args:
+        x: ``(rows, E)`` fp16/bf16/fp32 logits, E <= 8192. bias: ``(E,)`` of x's dtype.
+
+    Returns:
+        ``(y (rows, k) in x's dtype, expert_idx (rows, k) int32, out)``; ``out`` is the
+        float32 scores ``(rows, E)`` when ``out_flag``, else an empty float32 tensor. ``y``
+        is differentiable with respect to ``x`` (not through the selection).
+
+    Raises:
+        ShapeError: x not 2-D or a bad bias shape. DtypeError: bias of another dtype.
+        AttrError: any constraint (``1 <= k <= E``, ``E % group_count == 0``,
+        ``1 <= k_group <= group_count``, ``k <= k_group * E / group_count``, 2+ experts a
+        group in mode 1).
+    """
+    return torch.ops.opforge.moe_gating_top_k(x, bias, k, k_group, group_count,
+                                              group_select_mode, renorm, norm_type,
+                                              out_flag, routed_scaling_factor, eps)
+
+
+def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
+                             k: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k of ``softmax(x)`` over the last dim with MoeGatingTopKSoftmax's outputs.
+
+    Args:
+        x: 2-D or 3-D logits. finished: bool of x's leading dims; those rows get expert
+            index E. k: 1..min(E, 1024).
+
+    Returns:
+        ``(y, expert_idx, row_idx)`` of shape ``(*x.shape[:-1], k)``: y in x's dtype,
+        int32 indices, ``row_idx[..., j] = j * N + i`` for flattened row i of N.
+
+    Raises:
+        ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
+    """
+    return torch.ops.opforge.moe_gating_top_k_softmax(x, finished, k)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 import opforge.ops.mla_prolog
+import opforge.ops.moe_gating
 import opforge.ops.rms_norm  # noqa: F401 - registers the operators
 from opforge.core.errors import UnsupportedError
-from opforge.functional import mla_prolog
+from opforge.functional import mla_prolog, moe_gating_top_k, moe_gating_top_k_softmax
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
@@ -75,3 +76,39 @@ def npu_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr:
                       rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index,
                       kv_cache, kr_cache, rmsnorm_epsilon_cq=rmsnorm_epsilon_cq,
                       rmsnorm_epsilon_ckv=rmsnorm_epsilon_ckv, cache_mode=cache_mode)
+
+
+def npu_moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = None,
+                         input_ids: torch.Tensor | None = None,
+                         tid2eid: torch.Tensor | None = None, k_group: int = 1,
+                         group_count: int = 1, group_select_mode: int = 0, renorm: int = 0,
+                         norm_type: int = 0, out_flag: bool = False,
+                         routed_scaling_factor: float = 1.0, eps: float = 1e-20
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_moe_gating_top_k``: ``(y, expert_idx, out)`` (see
+    `opforge.moe_gating_top_k`; ``out`` is ``(rows, E)`` float32 as torch_npu allocates it,
+    holding the scores when ``out_flag``, else zeros).
+
+    Raises:
+        UnsupportedError: the V2 hash mode (``input_ids``/``tid2eid``). Otherwise as
+            `opforge.moe_gating_top_k`.
+    """
+    if input_ids is not None or tid2eid is not None:
+        raise UnsupportedError("the hash-routing mode (V2) is not supported",
+                               op="npu_moe_gating_top_k", param="tid2eid", expected="None",
+                               got="a tensor")
+    y, idx, out = moe_gating_top_k(x, k, bias=bias, k_group=k_group, group_count=group_count,
+                                   group_select_mode=group_select_mode, renorm=renorm,
+                                   norm_type=norm_type, out_flag=out_flag,
+                                   routed_scaling_factor=routed_scaling_factor, eps=eps)
+    if not out_flag:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return y, idx, out
+
+
+def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
+                                 k: int = 1
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_moe_gating_top_k_softmax``: ``(y, expert_idx, row_idx)`` (see
+    `opforge.moe_gating_top_k_softmax`)."""
+    return moe_gating_top_k_softmax(x, finished, k)

@@ -151,10 +151,11 @@ def verification_cases(opdef: OpDef, dtype: torch.dtype, device: torch.device | 
 
 def golden_of(opdef: OpDef, case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(golden outputs, error scales) of a case, in float64 on the CPU."""
-    # Mutated inputs (caches) are state, not numbers: they keep their dtype, which can
-    # define their layout.
-    wide = [None if t is None else t.detach().to("cpu") if i in opdef.mutated_inputs
-            else t.detach().to("cpu", torch.float64) for i, t in enumerate(case.inputs)]
+    # Indices, masks and mutated inputs (caches: state, whose dtype can define their
+    # layout) keep their dtype; floating inputs are widened.
+    wide = [None if t is None else t.detach().to("cpu", torch.float64)
+            if t.is_floating_point() and i not in opdef.mutated_inputs
+            else t.detach().to("cpu") for i, t in enumerate(case.inputs)]
     full_attrs = opdef.bind_attrs(case.attrs)
     outputs = opdef.reference_fn(*wide, compute_dtype=torch.float64, **full_attrs)
     goldens = list(outputs) if isinstance(outputs, tuple) else [outputs]

@@ -1,0 +1,615 @@
+"""Mixture-of-experts routing with the semantics of CANN's MoeGatingTopK (and of
+``torch_npu.npu_moe_gating_top_k``) and MoeGatingTopKSoftmax.
+
+``moe_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type,
+out_flag, routed_scaling_factor, eps) -> (y, expert_idx, out)`` over ``x`` ``(rows, E)``::
+
+    norm = softmax(x) (norm_type 0) or sigmoid(x) (1)                 float32
+    sel  = norm + bias                                                bias: selection only
+    if grouped: score each of group_count groups by its max (group_select_mode 0) or the
+                sum of its top two (1) and keep the best k_group groups; others -> -inf
+    idx  = top-k of sel, descending
+    w    = norm[idx]                                                  un-biased
+    if norm_type == 1 or renorm == 1: w = w / (sum(w) + eps)
+    y    = rounded_to_x_dtype(w * routed_scaling_factor);  out = norm if out_flag
+
+Selection is decided on the float32 scores (what the kernels compute), whatever precision
+the weights are judged in. Ties go to the lower expert (and group) index. NaN scores rank
+below every number (-inf included); a row whose scores are all NaN selects experts
+``0..k-1`` (MoeGatingTopKSoftmax's rule), and their weights are NaN. A row of -inf logits
+has NaN softmax scores, as in torch.
+
+The Triton kernel is one pass from logits to outputs, portable (no ``tl.topk``, no
+``tl.sort``): ``BLOCK_M`` rows a program as ``(rows, groups, experts per group)`` tiles;
+scores become order-preserving int32 keys (the float bits, negatives' magnitude bits
+flipped), and each of the k selections is an integer max, then the lowest index holding
+it, then that key retired. The gradient of ``y`` reaches ``x`` through the gathered scores
+and the renormalisation (not through the selection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core.errors import AttrError, DtypeError, ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.plan import plan as make_plan
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.library import register_op
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, sigmoid_pair, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+NAME = "moe_gating_top_k"
+MAX_EXPERTS = 8192
+# Keys: retired experts below NaN scores below every number.
+RETIRED_KEY = -(2**31)
+NAN_KEY = -(2**31) + 1
+NEG_INF_KEY = -2139095041  # the key of -inf: 0xFF800000 with its magnitude bits flipped
+TILE_ELEMENTS = {"cuda": 4096, "cpu": 1 << 16}
+
+GATING_ATTRS = (
+    Attr("k", "int", 1, range=(1, MAX_EXPERTS), doc="experts per row"),
+    Attr("k_group", "int", 1, range=(1, MAX_EXPERTS), doc="groups kept"),
+    Attr("group_count", "int", 1, range=(1, MAX_EXPERTS), doc="groups of experts"),
+    Attr("group_select_mode", "int", 0, choices=(0, 1), doc="group score: max | top-2 sum"),
+    Attr("renorm", "int", 0, choices=(0, 1), doc="renormalise softmax weights (V2)"),
+    Attr("norm_type", "int", 0, choices=(0, 1), doc="0 softmax, 1 sigmoid"),
+    Attr("out_flag", "bool", False, doc="also return the normalised scores"),
+    Attr("routed_scaling_factor", "float", 1.0, doc="multiplies y"),
+    Attr("eps", "float", 1e-20, range=(0.0, None), doc="added to the renormalising sum"),
+)
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    """Every constraint of the reference, with the offending value."""
+    x, bias = inputs
+    if len(x.shape) != 2:
+        raise ShapeError("must be 2-D (rows, experts)", op=NAME, param="x",
+                         expected="(rows, E)", got=tuple(x.shape))
+    experts = x.shape[1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ShapeError("expert count out of range", op=NAME, param="x",
+                         expected=f"1..{MAX_EXPERTS} experts", got=experts)
+    if bias is not None:
+        if tuple(bias.shape) != (experts,):
+            raise ShapeError("must be (E,)", op=NAME, param="bias", expected=(experts,),
+                             got=tuple(bias.shape))
+        if bias.dtype != x.dtype:
+            raise DtypeError("must have x's dtype", op=NAME, param="bias",
+                             expected=str(x.dtype).removeprefix("torch."),
+                             got=str(bias.dtype).removeprefix("torch."))
+    k, k_group, groups = attrs["k"], attrs["k_group"], attrs["group_count"]
+
+    def need(ok: bool, param: str, expected: str, got: object) -> None:
+        if not ok:
+            raise AttrError("violates MoeGatingTopK's constraints", op=NAME, param=param,
+                            expected=expected, got=got)
+
+    need(k <= experts, "k", f"1 <= k <= E = {experts}", k)
+    need(experts % groups == 0, "group_count", f"a divisor of E = {experts}", groups)
+    need(k_group <= groups, "k_group", f"1 <= k_group <= group_count = {groups}", k_group)
+    need(k <= k_group * experts // groups, "k",
+         f"k <= k_group * E / group_count = {k_group * experts // groups}", k)
+    need(attrs["group_select_mode"] == 0 or experts // groups >= 2, "group_select_mode",
+         "0, or groups of at least 2 experts for mode 1", attrs["group_select_mode"])
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    rows, experts = inputs[0].shape
+    return [(rows, attrs["k"]), (rows, attrs["k"]),
+            (rows, experts) if attrs["out_flag"] else (0,)]
+
+
+def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype, torch.int32, torch.float32]
+
+
+def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    x = inputs[0]
+    selections = attrs["k"] + (attrs["k_group"] if attrs["group_count"] > 1 else 0)
+    return Cost(flops=x.numel * (6 + 3 * selections),
+                bytes_moved=x.numel * x.itemsize + sum(o.numel * (o.itemsize)
+                                                       for o in outputs))
+
+
+def _layout(experts: int, attrs: Attrs) -> tuple[int, int, bool]:
+    """(groups in the tile, experts per group, grouped selection on)."""
+    grouped = attrs["group_count"] > 1 and attrs["k_group"] < attrs["group_count"]
+    groups = attrs["group_count"] if grouped else 1
+    return groups, experts // groups, grouped
+
+
+def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+            ) -> list[Tiling]:
+    """``BLOCK_M`` rows of ``BLOCK_G x BLOCK_EG`` (groups x experts per group) scores; as
+    many rows as fit a tile of 4096 elements on GPUs (registers), 65536 on the CPU."""
+    rows, experts = inputs[0].shape
+    groups = attrs["group_count"] if attrs["k_group"] < attrs["group_count"] else 1
+    block_g = next_power_of_2(groups)
+    block_eg = next_power_of_2(max(1, experts // groups))
+    budget = TILE_ELEMENTS.get(hardware.device_type, 4096)
+    block_m = max(1, min(next_power_of_2(max(rows, 1)), budget // (block_g * block_eg)))
+    return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_G": block_g, "BLOCK_EG": block_eg,
+                            "BLOCK_K": next_power_of_2(attrs["k"])},
+                   block_m * block_g * block_eg * 16,
+                   options={"warps": gpu_warps(block_m * block_g * block_eg, hardware)})]
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    rows = inputs[0].shape[0]
+    tiles = cdiv(rows, tiling.blocks["BLOCK_M"])
+    return (max(1, min(tiles, hardware.core_count * 8, MAX_PROGRAMS)),)
+
+
+def _deepseek_case(rows: int, dtype: torch.dtype, device: torch.device,
+                   generator: torch.Generator) -> Case:
+    x = torch.randn(rows, 256, generator=generator).to(device, dtype)
+    bias = (0.1 * torch.randn(256, generator=generator)).to(device, dtype)
+    return Case("deepseek_v3_e256_g8_kg4_k8", (x, bias),
+                {"k": 8, "k_group": 4, "group_count": 8, "group_select_mode": 1,
+                 "norm_type": 1, "routed_scaling_factor": 2.5})
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def x(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(shape, generator=generator)).to(device, dtype)
+
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0, 2.0, 2.0]] * 3).to(device, dtype)
+    special = x(4, 16)
+    special[0, 3] = float("-inf")
+    special[1, :] = float("-inf")
+    special[2, 5] = float("nan")
+    special[3, :] = float("nan")
+    return [
+        _deepseek_case(33, dtype, device, generator),
+        Case("softmax_top2_e8", (x(17, 8), None), {"k": 2}),
+        Case("softmax_renorm_out_e64", (x(9, 64), None),
+             {"k": 6, "renorm": 1, "out_flag": True}),
+        Case("sigmoid_bias_groups_max", (x(12, 32), x(32, scale=0.1)),
+             {"k": 4, "k_group": 2, "group_count": 4, "norm_type": 1}),
+        Case("ties_lower_index_wins", (ties, None), {"k": 4, "norm_type": 1}),
+        Case("grouped_ties", (ties, None), {"k": 3, "k_group": 2, "group_count": 4,
+                                            "group_select_mode": 1}),
+        Case("inf_and_nan_logits", (special, None), {"k": 3, "out_flag": True}),
+        Case("e2048_k8", (x(3, 2048), None), {"k": 8, "norm_type": 1}),
+        Case("k_equals_e", (x(5, 7), None), {"k": 7}),
+        Case("zero_rows", (x(0, 16), None), {"k": 2}),
+    ]
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """Logits drawn from the kind as ``(rows, E)``: rows the shape's leading size (at
+    most 300), E = 64 (4097 for long rows: a wide router); softmax top-4 and the grouped
+    sigmoid form with a bias."""
+    rows = min(shape[0], 300)
+    experts = 4097 if kind == "long_rows" else 64
+    x = generate(kind, (rows, experts), dtype, device=device, generator=generator)
+    bias = generate("normal", (experts,), dtype, device=device, generator=generator) * 0.1
+    cases = [Case("softmax_k4", (x, None), {"k": 4, "out_flag": True})]
+    if experts % 8 == 0:
+        cases.append(Case("grouped_sigmoid", (x, bias),
+                          {"k": 4, "k_group": 2, "group_count": 8, "group_select_mode": 1,
+                           "norm_type": 1}))
+    return cases
+
+
+def _weights_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                   golden: torch.Tensor, output: str) -> torch.Tensor:
+    """|golden| for the weights and scores; the indices are judged exactly."""
+    return golden.abs().to(torch.float64)
+
+
+def _torch_gating(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: int,
+                  group_count: int, group_select_mode: int, renorm: int, norm_type: int,
+                  out_flag: bool, routed_scaling_factor: float, eps: float
+                  ) -> tuple[torch.Tensor, ...]:
+    """DeepSeek-V3's Gate in torch ops (float32 scores, torch.topk), CANN's renorm rule"""
+    scores = torch.softmax(x.float(), -1) if norm_type == 0 else torch.sigmoid(x.float())
+    sel = scores if bias is None else scores + bias.float()
+    if group_count > 1 and k_group < group_count:
+        grouped = sel.view(x.shape[0], group_count, -1)
+        group_scores = grouped.amax(-1) if group_select_mode == 0 else \
+            grouped.topk(2, -1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(k_group, -1)[1], True)
+        sel = grouped.masked_fill(~keep[..., None], float("-inf")).view(x.shape)
+    idx = sel.topk(k, -1)[1]
+    weights = scores.gather(1, idx)
+    if norm_type == 1 or renorm == 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    out = scores if out_flag else scores.new_empty(0)
+    return (weights * routed_scaling_factor).to(x.dtype), idx.int(), out
+
+
+MOE_GATING_TOP_K = OpDef(
+    name=NAME, doc="MoE routing: softmax/sigmoid scores, group-limited top-k with a "
+                   "selection-only bias, CANN's renormalisation (y, expert_idx, out).",
+    inputs=(TensorArg("x", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+            TensorArg("bias", dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                      optional=True)),
+    outputs=(OutputArg("y"), OutputArg("expert_idx"), OutputArg("out")),
+    attrs=GATING_ATTRS, infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check,
+    cost=_cost, tiling=_tiling, grid=_grid, samples=_samples, error_scale=_weights_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_gating, sweep=_sweep))
+
+
+def _check_softmax(inputs: Specs, attrs: Attrs) -> None:
+    x, finished = inputs
+    op = "moe_gating_top_k_softmax"
+    if len(x.shape) not in (2, 3):
+        raise ShapeError("must be 2-D or 3-D", op=op, param="x", expected="(..., E)",
+                         got=tuple(x.shape))
+    if finished is not None and tuple(finished.shape) != tuple(x.shape[:-1]):
+        raise ShapeError("must have x's leading dims", op=op, param="finished",
+                         expected=tuple(x.shape[:-1]), got=tuple(finished.shape))
+    if not 1 <= attrs["k"] <= x.shape[-1]:
+        raise AttrError("must be in 1..E", op=op, param="k", expected=f"1..{x.shape[-1]}",
+                        got=attrs["k"])
+
+
+def _softmax_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    shape = (*inputs[0].shape[:-1], attrs["k"])
+    return [shape, shape, shape]
+
+
+def _softmax_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype, torch.int32, torch.int32]
+
+
+def _softmax_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+                    ) -> list[Tiling]:
+    rows = 1
+    for size in inputs[0].shape[:-1]:
+        rows *= size
+    flat = (type(inputs[0])((rows, inputs[0].shape[-1]), inputs[0].dtype), None)
+    return _tiling(flat, outputs, MOE_GATING_TOP_K.bind_attrs({"k": attrs["k"]}), hardware)
+
+
+def _softmax_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+                  hardware: HardwareProfile) -> tuple[int, ...]:
+    rows = 1
+    for size in inputs[0].shape[:-1]:
+        rows *= size
+    tiles = cdiv(rows, tiling.blocks["BLOCK_M"])
+    return (max(1, min(tiles, hardware.core_count * 8, MAX_PROGRAMS)),)
+
+
+def _softmax_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    x = inputs[0]
+    return Cost(flops=x.numel * (6 + 3 * attrs["k"]),
+                bytes_moved=x.numel * x.itemsize + sum(o.numel * o.itemsize for o in outputs))
+
+
+def _softmax_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                     ) -> list[Case]:
+    def x(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+
+    finished = torch.tensor([[False, True, False], [True, False, False]], device=device)
+    nan_rows = x(3, 8)
+    nan_rows[1] = float("nan")
+    return [Case("2d_k2", (x(9, 16), None), {"k": 2}),
+            Case("3d_finished_k3", (x(2, 3, 10), finished), {"k": 3}),
+            Case("nan_row_takes_first_k", (nan_rows, None), {"k": 3}),
+            Case("k_1_e128", (x(5, 128), None), {"k": 1})]
+
+
+def _softmax_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device, generator: torch.Generator) -> list[Case]:
+    """Logits from the kind as ``(rows, 64)`` (4097 experts for long rows), top-4."""
+    experts = 4097 if kind == "long_rows" else 64
+    x = generate(kind, (min(shape[0], 300), experts), dtype, device=device,
+                 generator=generator)
+    return [Case("k4", (x, None), {"k": 4})]
+
+
+def _torch_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None, k: int
+                         ) -> tuple[torch.Tensor, ...]:
+    """torch.topk of torch.softmax in float32"""
+    values, idx = torch.softmax(x.float(), -1).topk(k, -1)
+    idx = idx.int()
+    if finished is not None:
+        idx = torch.where(finished[..., None], x.shape[-1], idx)
+    rows = x.numel() // x.shape[-1]
+    row_idx = (torch.arange(k, device=x.device)[None, :] * rows
+               + torch.arange(rows, device=x.device)[:, None]).int().view(idx.shape)
+    return values.to(x.dtype), idx, row_idx
+
+
+MOE_GATING_TOP_K_SOFTMAX = OpDef(
+    name="moe_gating_top_k_softmax",
+    doc="MoeGatingTopKSoftmax: top-k of softmax(x) (y, expert_idx with finished rows set "
+        "to E, row_idx[..., j] = j * N + i).",
+    inputs=(TensorArg("x", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+            TensorArg("finished", dtypes=(torch.bool,), optional=True)),
+    outputs=(OutputArg("y"), OutputArg("expert_idx"), OutputArg("row_idx")),
+    attrs=(Attr("k", "int", 1, range=(1, 1024), doc="experts per row"),),
+    infer_shape=_softmax_shapes, infer_dtype=_softmax_dtypes, check=_check_softmax,
+    cost=_softmax_cost, tiling=_softmax_tiling, grid=_softmax_grid, samples=_softmax_samples,
+    error_scale=_weights_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_top_k_softmax,
+                            sweep=_softmax_sweep))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float32 scores as int64 keys in the same order (NaN lowest): the float bits with a
+    negative number's magnitude bits flipped."""
+    bits = scores.to(torch.float32).view(torch.int32).to(torch.int64)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return torch.where(torch.isnan(scores), torch.full_like(keys, NAN_KEY), keys)
+
+
+def _top(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of the ``count`` largest keys of each row, ties to the lower position."""
+    return torch.argsort(-keys, dim=-1, stable=True)[..., :count]
+
+
+def select_experts(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: int,
+                   group_count: int, group_select_mode: int, norm_type: int
+                   ) -> torch.Tensor:
+    """The int64 ``(rows, k)`` experts chosen, from float32 scores exactly as the kernel
+    chooses them."""
+    x32 = x.to(torch.float32)
+    norm = torch.softmax(x32, -1) if norm_type == 0 else torch.sigmoid(x32)
+    sel = norm if bias is None else norm + bias.to(torch.float32)
+    keys = ordered_keys(sel)
+    if group_count > 1 and k_group < group_count:
+        rows = x.shape[0]
+        grouped_keys = keys.view(rows, group_count, -1)
+        grouped_sel = sel.view(rows, group_count, -1)
+        best = _top(grouped_keys, 2 if group_select_mode == 1 else 1)
+        group_scores = grouped_sel.gather(-1, best).sum(-1, dtype=torch.float32)
+        kept = _top(ordered_keys(group_scores), k_group)
+        keep = torch.zeros(rows, group_count, dtype=torch.bool, device=x.device)
+        keep.scatter_(1, kept, True)
+        keys = torch.where(keep[..., None], grouped_keys, NEG_INF_KEY).view(rows, -1)
+    return _top(keys, k)
+
+
+@MOE_GATING_TOP_K.reference
+def reference(x: torch.Tensor, bias: torch.Tensor | None, *, compute_dtype: torch.dtype,
+              k: int, k_group: int, group_count: int, group_select_mode: int, renorm: int,
+              norm_type: int, out_flag: bool, routed_scaling_factor: float, eps: float
+              ) -> tuple[torch.Tensor, ...]:
+    """(y, expert_idx, out): the selection on float32 scores, the weights and scores in
+    ``compute_dtype``."""
+    idx = select_experts(x, bias, k, k_group, group_count, group_select_mode, norm_type)
+    wide = x.to(compute_dtype)
+    norm = torch.softmax(wide, -1) if norm_type == 0 else torch.sigmoid(wide)
+    weights = norm.gather(1, idx)
+    if norm_type == 1 or renorm == 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    out = norm if out_flag else norm.new_empty(0)
+    return weights * routed_scaling_factor, idx.to(torch.int32), out
+
+
+def _finished_and_rows(idx: torch.Tensor, finished: torch.Tensor | None, experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert_idx with finished rows set to E, row_idx) for flat ``(N, k)`` indices."""
+    rows, k = idx.shape
+    if finished is not None:
+        idx = torch.where(finished.reshape(rows, 1), experts, idx)
+    row_idx = torch.arange(k, device=idx.device)[None, :] * rows \
+        + torch.arange(rows, device=idx.device)[:, None]
+    return idx.to(torch.int32), row_idx.to(torch.int32)
+
+
+@MOE_GATING_TOP_K_SOFTMAX.reference
+def softmax_reference(x: torch.Tensor, finished: torch.Tensor | None, *,
+                      compute_dtype: torch.dtype, k: int) -> tuple[torch.Tensor, ...]:
+    """(y, expert_idx, row_idx): moe_gating_top_k's softmax form on the flattened rows."""
+    experts = x.shape[-1]
+    flat = x.reshape(-1, experts)
+    y, idx, _ = reference(flat, None, compute_dtype=compute_dtype,
+                          **{**MOE_GATING_TOP_K.bind_attrs({"k": k})})
+    idx, row_idx = _finished_and_rows(idx, finished, experts)
+    shape = (*x.shape[:-1], k)
+    return y.view(shape), idx.view(shape), row_idx.view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+
+if triton is not None:
+    RETIRED = tl.constexpr(RETIRED_KEY)
+    NAN_ORDER = tl.constexpr(NAN_KEY)
+    MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
+    NEG_INF = tl.constexpr(float("-inf"))
+    MASKED = tl.constexpr(NEG_INF_KEY)
+
+    @triton.jit
+    def _keys(scores):
+        """Order-preserving int32 keys of float32 scores, NaN lowest."""
+        bits = scores.to(tl.int32, bitcast=True)
+        keys = tl.where(bits < 0, bits ^ MAGNITUDE_BITS, bits)
+        return tl.where(scores != scores, NAN_ORDER, keys)
+
+    @triton.jit
+    def _gating_kernel(x_ptr, bias_ptr, y_ptr, idx_ptr, out_ptr, R, E, EG, G, K, K_GROUP,
+                       stride_x, scale, eps, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+                       GROUPED: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
+                       OUT_FLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+        group = tl.arange(0, BLOCK_G)[None, :, None]
+        member = tl.arange(0, BLOCK_EG)[None, None, :]
+        expert = group * EG + member
+        valid = (group < G) & (member < EG)
+        columns = tl.arange(0, BLOCK_K)[None, :]
+        group_index = tl.arange(0, BLOCK_G)[None, :]
+        if HAS_BIAS:
+            bias = widen(tl.load(bias_ptr + expert, mask=valid, other=0.0))
+        for tile in range(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.num_programs(0)):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < R
+            mask = row_mask[:, None, None] & valid
+            x = widen(tl.load(x_ptr + rows[:, None, None] * stride_x + expert, mask=mask,
+                              other=NEG_INF))
+            if SIGMOID:
+                norm, _ = sigmoid_pair(x)
+            else:
+                peak = tl.max(tl.max(x, 2), 1)
+                exps = tl.exp(x - peak[:, None, None])
+                exps = tl.where(mask, exps, 0.0)
+                norm = exps / tl.sum(tl.sum(exps, 2), 1)[:, None, None]
+            norm = tl.where(mask, norm, 0.0)
+            sel = norm
+            if HAS_BIAS:
+                sel = norm + bias
+            keys = tl.where(valid, _keys(sel), RETIRED)
+            if GROUPED:
+                best = tl.max(keys, 2)
+                first = tl.min(tl.where(keys == best[:, :, None], member, BLOCK_EG), 2)
+                score = tl.sum(tl.where(member == first[:, :, None], sel, 0.0), 2)
+                if TOP2:
+                    rest = tl.where(member == first[:, :, None], RETIRED, keys)
+                    second = tl.min(tl.where(rest == tl.max(rest, 2)[:, :, None], member,
+                                             BLOCK_EG), 2)
+                    score += tl.sum(tl.where(member == second[:, :, None], sel, 0.0), 2)
+                group_keys = tl.where(group_index < G, _keys(score), RETIRED)
+                keep = group_index < 0
+                for _ in range(0, K_GROUP):
+                    top = tl.max(group_keys, 1)
+                    chosen = tl.min(tl.where(group_keys == top[:, None], group_index,
+                                             BLOCK_G), 1)
+                    hit = group_index == chosen[:, None]
+                    keep = keep | hit
+                    group_keys = tl.where(hit, RETIRED, group_keys)
+                keys = tl.where(keep[:, :, None] | (keys == RETIRED), keys, MASKED)
+            weights = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            chosen_experts = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for j in range(0, K):
+                top = tl.max(tl.max(keys, 2), 1)
+                at_top = keys == top[:, None, None]
+                position = tl.min(tl.min(tl.where(at_top, expert, E), 2), 1)
+                hit = expert == position[:, None, None]
+                weight = tl.sum(tl.sum(tl.where(hit, norm, 0.0), 2), 1)
+                weights = tl.where(columns == j, weight[:, None], weights)
+                chosen_experts = tl.where(columns == j, position[:, None], chosen_experts)
+                total += weight
+                keys = tl.where(hit, RETIRED, keys)
+            if RENORM:
+                weights = weights / (total + eps)[:, None]
+            weights = weights * scale
+            out_mask = row_mask[:, None] & (columns < K)
+            out_offsets = rows[:, None] * K + columns
+            tl.store(y_ptr + out_offsets, rounded_for(weights, y_ptr), mask=out_mask)
+            tl.store(idx_ptr + out_offsets, rounded_for(chosen_experts, idx_ptr),
+                     mask=out_mask)
+            if OUT_FLAG:
+                tl.store(out_ptr + rows[:, None, None] * E + expert,
+                         rounded_for(norm, out_ptr), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+@MOE_GATING_TOP_K.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """``BLOCK_M`` rows a program (persistently), each row's experts as a
+    ``(groups, experts per group)`` tile."""
+    x, bias = inputs
+    y, expert_idx, out = outputs
+    attrs = plan.attrs
+    rows, experts = x.shape
+    groups, per_group, grouped = _layout(experts, attrs)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _gating_kernel[plan.grid](
+        x, x if bias is None else bias.contiguous(), y, expert_idx, out, rows, experts,
+        per_group, groups, attrs["k"], attrs["k_group"], x.stride(0),
+        attrs["routed_scaling_factor"], attrs["eps"], HAS_BIAS=bias is not None,
+        SIGMOID=attrs["norm_type"] == 1, GROUPED=grouped,
+        TOP2=attrs["group_select_mode"] == 1,
+        RENORM=attrs["norm_type"] == 1 or attrs["renorm"] == 1, OUT_FLAG=attrs["out_flag"],
+        **plan.tiling.blocks, **launch_options(plan.tiling))
+
+
+@MOE_GATING_TOP_K_SOFTMAX.launcher("triton")
+def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
+                   outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The gating kernel (softmax, no groups) on the flattened rows, writing y and the
+    indices in place; then finished rows and row_idx."""
+    x, finished = inputs
+    experts = x.shape[-1]
+    flat = x.reshape(-1, experts)
+    y, idx, row_idx = (t.view(flat.shape[0], -1) for t in outputs)
+    make_plan(MOE_GATING_TOP_K, flat, None, k=plan.attrs["k"]).run(
+        flat, None, out=(y, idx, torch.empty(0, device=x.device)))
+    new_idx, new_rows = _finished_and_rows(idx, finished, experts)
+    idx.copy_(new_idx)
+    row_idx.copy_(new_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
+                   ) -> None:
+    x, renorm, norm_type, out_flag, scale, eps = (inputs[0], *inputs[6:])
+    ctx.save_for_backward(x, output[1])
+    ctx.renorm = norm_type == 1 or renorm == 1
+    ctx.sigmoid, ctx.out_flag, ctx.scale, ctx.eps = norm_type == 1, out_flag, scale, eps
+
+
+@MOE_GATING_TOP_K.autograd(_setup_context)
+def backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
+             grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """dx through the gathered scores and the renormalisation, in float32: with
+    ``w = norm[idx]`` and ``S = sum(w) + eps``, ``dw = scale (g / S - sum(g w) / S^2)``
+    (renormalised) or ``scale g``; scattered into the scores' gradient (plus ``grad_out``),
+    then through softmax or sigmoid. The selection and the bias get none."""
+    x, idx = ctx.saved_tensors
+    x32 = x.float()
+    norm = torch.sigmoid(x32) if ctx.sigmoid else torch.softmax(x32, -1)
+    grad_norm = torch.zeros_like(norm)
+    if grad_y is not None:
+        index = idx.long()
+        g = grad_y.float()
+        weights = norm.gather(1, index)
+        if ctx.renorm:
+            total = weights.sum(-1, keepdim=True) + ctx.eps
+            g = g / total - (g * weights).sum(-1, keepdim=True) / total.square()
+        grad_norm.scatter_add_(1, index, g * ctx.scale)
+    if ctx.out_flag and grad_out is not None and grad_out.numel():
+        grad_norm = grad_norm + grad_out.float()
+    if ctx.sigmoid:
+        grad_x = grad_norm * norm * (1 - norm)
+    else:
+        grad_x = norm * (grad_norm - (grad_norm * norm).sum(-1, keepdim=True))
+    return (grad_x.to(x.dtype), None, *([None] * len(GATING_ATTRS)))
+
+
+register_op(MOE_GATING_TOP_K)
+register_op(MOE_GATING_TOP_K_SOFTMAX)
