@@ -12,6 +12,7 @@ import torch
 
 import opforge.ops.attention
 import opforge.ops.broadcast_add
+import opforge.ops.embedding_dense_grad
 import opforge.ops.gelu
 import opforge.ops.layer_norm
 import opforge.ops.matmul
@@ -310,3 +311,30 @@ def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = No
         ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
     """
     return torch.ops.opforge.moe_gating_top_k_softmax(x, finished, k)
+
+
+def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                         padding_idx: int = -1, scale_grad_by_freq: bool = False,
+                         deterministic: bool | None = None, check_range: bool = True
+                         ) -> torch.Tensor:
+    """The embedding table's gradient, equal to ``torch.ops.aten.embedding_dense_backward``:
+    ``out[indices[i]] += grad[i]`` (divided by the index's count when
+    ``scale_grad_by_freq``), rows of ``padding_idx`` skipped, float32 accumulation.
+
+    Args:
+        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: any integer dtype, any
+            shape. deterministic: the sort-based kernel (bitwise reproducible) or the
+            atomic one; None follows ``torch.are_deterministic_algorithms_enabled()``.
+        check_range: check every index before the kernels (one read of the extremes);
+            ``False`` skips it on GPUs only.
+
+    Returns:
+        ``(num_weights, D)`` in grad's dtype.
+
+    Raises:
+        ShapeError: grad's leading dims differ from indices'. DtypeError: unsupported
+        dtypes. IndexRangeError: an index outside ``[0, num_weights)``.
+    """
+    return torch.ops.opforge.embedding_dense_grad(grad, indices, num_weights, padding_idx,
+                                                  scale_grad_by_freq, deterministic,
+                                                  check_range)

@@ -1,0 +1,354 @@
+"""EmbeddingDenseGrad: the gradient of an embedding table, equal to
+``torch.ops.aten.embedding_dense_backward``.
+
+``embedding_dense_grad(grad, indices, num_weights, padding_idx=-1,
+scale_grad_by_freq=False, deterministic=None)`` with ``grad`` ``(*indices.shape, D)``::
+
+    out = zeros(num_weights, D)                       float32 accumulation
+    for each position i with indices[i] != padding_idx:
+        out[indices[i]] += grad[i] * (1 / count(indices[i]) if scale_grad_by_freq else 1)
+
+in grad's dtype. A negative ``padding_idx`` skips nothing (indices are never negative).
+
+Two kernels:
+
+``atomic``
+    one program per block of positions adds its gradient rows into a float32 table with
+    atomic adds (fast; the order of the additions, hence the last bits, varies between
+    runs), then one pass rounds the table to grad's dtype.
+``deterministic``
+    the positions are sorted by index (a stable sort: equal indices keep their position
+    order), each run of equal indices is one segment, and one program sums a segment's
+    rows in that fixed order: the result is bitwise identical across runs and grid sizes.
+
+``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()``. Every index
+(other than ``padding_idx``) must lie in ``[0, num_weights)``: checked before any kernel
+(``IndexRangeError``) at the cost of one read of the extremes, which ``check_range=False``
+skips on GPUs (an out-of-range index then writes outside the table).
+
+Forward only: this is itself a gradient operator (no double backward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from opforge.core.errors import IndexRangeError, ShapeError
+from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    Case,
+    Cost,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+    Tiling,
+)
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.library import register_op
+from opforge.precision.cases import generate
+
+try:
+    import triton
+    import triton.language as tl
+
+    from opforge.ops._math import rounded_for, widen
+except ImportError:  # pragma: no cover
+    triton = None
+
+NAME = "embedding_dense_grad"
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+COLUMN_BLOCK = 1024
+
+
+def _check(inputs: Specs, attrs: Attrs) -> None:
+    grad, indices = inputs
+    if len(grad.shape) < 1 or tuple(grad.shape[:-1]) != tuple(indices.shape):
+        raise ShapeError("must be (*indices.shape, D)", op=NAME, param="grad",
+                         expected=(*indices.shape, "D"), got=tuple(grad.shape))
+
+
+def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
+    return [(attrs["num_weights"], inputs[0].shape[-1])]
+
+
+def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
+    return [inputs[0].dtype]
+
+
+def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    grad, indices = inputs
+    table = outputs[0].numel
+    return Cost(flops=grad.numel, bytes_moved=grad.numel * grad.itemsize + indices.numel
+                * indices.itemsize + table * (outputs[0].itemsize + 8))
+
+
+def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+            ) -> list[Tiling]:
+    """``BLOCK_M`` positions x ``BLOCK_D`` columns of the gradient (columns in blocks of
+    at most 1024)."""
+    width = inputs[0].shape[-1]
+    block_d = min(COLUMN_BLOCK, next_power_of_2(max(width, 1)))
+    block_m = max(1, min(64, 4096 // block_d))
+    return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_D": block_d},
+                   block_m * block_d * 8, options={"warps": gpu_warps(block_m * block_d,
+                                                                       hardware)})]
+
+
+def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+          hardware: HardwareProfile) -> tuple[int, ...]:
+    positions = math.prod(inputs[1].shape)
+    tiles = cdiv(positions, tiling.blocks["BLOCK_M"])
+    return (max(1, min(tiles, hardware.core_count * 8, MAX_PROGRAMS)),)
+
+
+def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+               attrs: Attrs) -> int:
+    """The float32 table of the atomic kernel (the deterministic one needs none)."""
+    return 4 * outputs[0].numel
+
+
+def zipf_indices(shape: Sequence[int], num_weights: int, generator: torch.Generator,
+                 exponent: float = 1.2) -> torch.Tensor:
+    """int64 indices drawn with probability proportional to ``rank^-exponent``: a few
+    heavily repeated rows, as real token ids."""
+    ranks = torch.arange(1, num_weights + 1, dtype=torch.float64)
+    weights = ranks ** -exponent
+    picks = torch.multinomial(weights, math.prod(shape), replacement=True,
+                              generator=generator)
+    return picks.reshape(tuple(shape))
+
+
+def _checked_range(indices: torch.Tensor, attrs: Attrs) -> None:
+    """Raises IndexRangeError for an index outside [0, num_weights) (padding_idx aside)."""
+    flat = indices.reshape(-1)
+    if not flat.numel():
+        return
+    flat = flat[flat != attrs["padding_idx"]] if attrs["padding_idx"] >= 0 else flat
+    if not flat.numel():
+        return
+    low, high = int(flat.min()), int(flat.max())
+    if low < 0 or high >= attrs["num_weights"]:
+        raise IndexRangeError("holds an index outside the table", op=NAME, param="indices",
+                              expected=f"0..{attrs['num_weights'] - 1}",
+                              got=low if low < 0 else high)
+
+
+def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+             ) -> list[Case]:
+    def grad(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+
+    def ids(shape: tuple[int, ...], high: int, index_dtype: torch.dtype = torch.int64
+            ) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=generator).to(device, index_dtype)
+
+    zipf = zipf_indices((300,), 50, generator).to(device)
+    return [
+        Case("tokens_2x7_d33", (grad(2, 7, 33), ids((2, 7), 10)), {"num_weights": 10}),
+        Case("zipf_300_deterministic", (grad(300, 16), zipf),
+             {"num_weights": 50, "deterministic": True}),
+        Case("zipf_300_atomic", (grad(300, 16), zipf),
+             {"num_weights": 50, "deterministic": False}),
+        Case("padding_and_freq", (grad(40, 8), ids((40,), 6, torch.int32)),
+             {"num_weights": 6, "padding_idx": 2, "scale_grad_by_freq": True}),
+        Case("int16_ids_wide_d1500", (grad(9, 1500), ids((9,), 4, torch.int16)),
+             {"num_weights": 5, "deterministic": True}),
+        Case("unused_rows", (grad(3, 4), torch.tensor([0, 0, 7], device=device)),
+             {"num_weights": 9, "scale_grad_by_freq": True, "deterministic": True}),
+        Case("no_positions", (grad(0, 4), ids((0,), 3)), {"num_weights": 3}),
+    ]
+
+
+def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           generator: torch.Generator) -> list[Case]:
+    """The gradient drawn from the kind as ``(positions, D)`` (the shape's leading size
+    and last size, at most 64; 4097 columns for long rows), Zipf indices over 37 rows;
+    both kernels."""
+    positions = shape[0]
+    width = 4097 if kind == "long_rows" else min(shape[-1], 64)
+    grad = generate(kind, (positions, width), dtype, device=device, generator=generator)
+    indices = zipf_indices((positions,), 37, generator).to(device)
+    return [Case("deterministic", (grad, indices), {"num_weights": 37, "deterministic": True}),
+            Case("atomic_freq", (grad, indices), {"num_weights": 37, "deterministic": False,
+                                                  "scale_grad_by_freq": True})]
+
+
+def _sum_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+               golden: torch.Tensor, output: str) -> torch.Tensor:
+    """The same sums over |grad|: a sum's rounding is relative to its terms."""
+    grad, indices = inputs
+    return reference(grad.abs(), indices, compute_dtype=torch.float64, **attrs)
+
+
+def _torch_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                              padding_idx: int, scale_grad_by_freq: bool,
+                              deterministic: bool | None, check_range: bool
+                              ) -> torch.Tensor:
+    """torch.ops.aten.embedding_dense_backward"""
+    return torch.ops.aten.embedding_dense_backward(grad, indices.long(), num_weights,
+                                                   padding_idx, scale_grad_by_freq)
+
+
+EMBEDDING_DENSE_GRAD = OpDef(
+    name=NAME, doc="Embedding table gradient (aten.embedding_dense_backward): atomic or "
+                   "sort-based deterministic accumulation in float32.",
+    inputs=(TensorArg("grad", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+            TensorArg("indices", dtypes=INDEX_DTYPES)),
+    outputs=(OutputArg("grad_weight"),),
+    attrs=(Attr("num_weights", "int", 0, range=(0, None), doc="rows of the table"),
+           Attr("padding_idx", "int", -1, doc="index whose rows get no gradient"),
+           Attr("scale_grad_by_freq", "bool", False, doc="divide by the index's count"),
+           Attr("deterministic", "bool", None,
+                doc="sort-based kernel; None: torch's deterministic setting"),
+           Attr("check_range", "bool", True, doc="check indices before the kernels")),
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
+    tiling=_tiling, grid=_grid, workspace=_workspace, samples=_samples,
+    error_scale=_sum_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_embedding_backward,
+                            sweep=_sweep))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+@EMBEDDING_DENSE_GRAD.reference
+def reference(grad: torch.Tensor, indices: torch.Tensor, *, compute_dtype: torch.dtype,
+              num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
+              deterministic: bool | None, check_range: bool) -> torch.Tensor:
+    """``index_add`` of the gradient rows in ``compute_dtype`` (indices checked first)."""
+    if check_range or grad.device.type != "cuda":
+        _checked_range(indices, {"padding_idx": padding_idx, "num_weights": num_weights})
+    flat = indices.reshape(-1).long()
+    rows = grad.reshape(flat.numel(), grad.shape[-1]).to(compute_dtype)
+    if scale_grad_by_freq:
+        counts = torch.bincount(flat, minlength=num_weights).to(compute_dtype)
+        rows = rows / counts[flat][:, None]
+    keep = flat != padding_idx
+    out = torch.zeros(num_weights, grad.shape[-1], dtype=compute_dtype, device=grad.device)
+    return out.index_add(0, flat[keep], rows[keep])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _atomic_kernel(grad_ptr, index_ptr, scale_ptr, table_ptr, N, D, padding_idx,
+                       SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        columns = tl.arange(0, BLOCK_D)
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.num_programs(0)):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < N
+            index = tl.load(index_ptr + rows, mask=row_mask, other=0)  # integer index
+            index = index.to(tl.int64)
+            keep = row_mask & (index != padding_idx)
+            factor = tl.full([BLOCK_M], 1.0, tl.float32)
+            if SCALED:
+                factor = tl.load(scale_ptr + index, mask=keep, other=0.0)  # float32 statistic
+            for start in range(0, D, BLOCK_D):
+                cols = start + columns
+                mask = keep[:, None] & (cols < D)[None, :]
+                values = widen(tl.load(grad_ptr + rows[:, None].to(tl.int64) * D
+                                       + cols[None, :], mask=mask, other=0.0))
+                tl.atomic_add(table_ptr + index[:, None] * D + cols[None, :],
+                              values * factor[:, None], mask=mask)
+
+    @triton.jit
+    def _segment_kernel(grad_ptr, order_ptr, starts_ptr, keys_ptr, scale_ptr, out_ptr,
+                        SEGMENTS, D, SCALED: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One segment (a run of equal sorted indices) at a time: its rows summed in
+        sorted-position order, in float32."""
+        columns = tl.arange(0, BLOCK_D)
+        for segment in range(tl.program_id(0), SEGMENTS, tl.num_programs(0)):
+            first = tl.load(starts_ptr + segment)  # integer index
+            last = tl.load(starts_ptr + segment + 1)  # integer index
+            row = tl.load(keys_ptr + segment)  # integer index
+            factor = 1.0
+            if SCALED:
+                factor = tl.load(scale_ptr + row)  # float32 statistic
+            for start in range(0, D, BLOCK_D):
+                cols = start + columns
+                col_mask = cols < D
+                total = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for position in range(first, last):
+                    source = tl.load(order_ptr + position)  # integer index
+                    total += widen(tl.load(grad_ptr + source * D + cols, mask=col_mask,
+                                           other=0.0))
+                tl.store(out_ptr + row * D + cols, rounded_for(total * factor, out_ptr),
+                         mask=col_mask)
+
+    @triton.jit
+    def _round_table_kernel(table_ptr, out_ptr, TOTAL, BLOCK: tl.constexpr):
+        for tile in range(tl.program_id(0), tl.cdiv(TOTAL, BLOCK), tl.num_programs(0)):
+            offsets = tile * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < TOTAL
+            values = tl.load(table_ptr + offsets, mask=mask)  # float32 partial
+            tl.store(out_ptr + offsets, rounded_for(values, out_ptr), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+def use_deterministic(attrs: Attrs) -> bool:
+    """The kernel a call runs: the attribute, or torch's deterministic setting."""
+    chosen = attrs["deterministic"]
+    return torch.are_deterministic_algorithms_enabled() if chosen is None else chosen
+
+
+@EMBEDDING_DENSE_GRAD.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """Atomic adds into a float32 table then a rounding pass, or the stable sort and one
+    program per segment (see the module docstring)."""
+    grad, indices = inputs
+    out = outputs[0]
+    attrs = plan.attrs
+    if attrs["check_range"] or grad.device.type != "cuda":
+        _checked_range(indices, attrs)
+    flat = indices.reshape(-1).long()
+    positions, width = flat.numel(), grad.shape[-1]
+    rows = grad.reshape(positions, width).contiguous()
+    scale = None
+    if attrs["scale_grad_by_freq"]:
+        scale = 1.0 / torch.bincount(flat, minlength=attrs["num_weights"]).float()
+    blocks = plan.tiling.blocks
+    options = launch_options(plan.tiling)
+    if not use_deterministic(attrs):
+        table = workspace[:4 * out.numel()].view(torch.float32).view(out.shape)
+        table.zero_()
+        _atomic_kernel[plan.grid](rows, flat, rows if scale is None else scale, table,
+                                  positions, width, attrs["padding_idx"],
+                                  SCALED=scale is not None, **blocks, **options)
+        total = out.numel()
+        grid = (max(1, min(cdiv(total, 1024), MAX_PROGRAMS)),)
+        _round_table_kernel[grid](table, out, total, BLOCK=1024)
+        return
+    out.zero_()
+    keep = flat != attrs["padding_idx"]
+    kept = torch.nonzero(keep).reshape(-1) if attrs["padding_idx"] >= 0 else None
+    keys = flat if kept is None else flat[kept]
+    sorted_keys, order = torch.sort(keys, stable=True)
+    if kept is not None:
+        order = kept[order]
+    segment_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    starts = torch.zeros(segment_keys.numel() + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    if segment_keys.numel() == 0:
+        return
+    grid = (max(1, min(segment_keys.numel(), plan.grid[0])),)
+    _segment_kernel[grid](rows, order, starts, segment_keys,
+                          rows if scale is None else scale, out, segment_keys.numel(), width,
+                          SCALED=scale is not None, BLOCK_D=blocks["BLOCK_D"], **options)
+
+
+register_op(EMBEDDING_DENSE_GRAD)

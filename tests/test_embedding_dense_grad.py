@@ -1,0 +1,99 @@
+"""EmbeddingDenseGrad: aten's result on both kernels, determinism over runs and grid sizes
+with Zipf-repeated indices, padding and frequency scaling, index dtypes, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opforge
+from opforge.ops.embedding_dense_grad import use_deterministic, zipf_indices
+
+from .conftest import DEVICE, LOW_PRECISION, assert_golden
+
+OP = opforge.get_op("embedding_dense_grad")
+
+
+def _data(positions: int = 500, width: int = 24, rows: int = 40,
+          dtype: torch.dtype = torch.float32, seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(positions, width, generator=generator).to(DEVICE, dtype)
+    return grad, zipf_indices((positions,), rows, generator).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_samples_match_the_golden(dtype, backend):
+    for case in OP.samples(dtype, DEVICE, torch.Generator().manual_seed(1)):
+        assert_golden(OP, case, opforge.plan(OP, *case.inputs, **case.attrs).run(
+            *case.inputs))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("padding_idx, freq", [(-1, False), (0, True), (3, False)])
+def test_equals_aten(deterministic, padding_idx, freq, backend):
+    grad, indices = _data(seed=2)
+    ours = opforge.embedding_dense_grad(grad, indices, 40, padding_idx, freq, deterministic)
+    expected = torch.ops.aten.embedding_dense_backward(grad, indices, 40, padding_idx, freq)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_kernel_is_bitwise_stable_over_runs_and_grids():
+    """Zipf indices (index 0 holds over a tenth of 1200 positions): ten runs, and runs
+    planned for a 2-core CPU and a 132-SM GPU (different grids), give the same bits."""
+    grad, indices = _data(positions=1200, width=16, rows=300, dtype=torch.bfloat16, seed=3)
+    assert (indices == 0).float().mean() > 0.1
+    with opforge.use_backend("triton"):
+        runs = [opforge.embedding_dense_grad(grad, indices, 300, deterministic=True)
+                for _ in range(10)]
+        grids = []
+        for hardware in ("cpu", "h100"):
+            with opforge.use_hardware(hardware):
+                plan = opforge.plan(OP, grad, indices, num_weights=300, deterministic=True)
+                grids.append(plan.grid)
+                runs.append(plan.run(grad, indices))
+    assert grids[0] != grids[1]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+
+
+def test_index_dtypes_and_leading_shapes(backend):
+    grad, indices = _data(positions=60, seed=4)
+    expected = opforge.embedding_dense_grad(grad, indices, 40)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        shaped = opforge.embedding_dense_grad(grad.view(3, 4, 5, 24),
+                                              indices.to(dtype).view(3, 4, 5), 40)
+        torch.testing.assert_close(shaped, expected)
+
+
+def test_none_follows_torch_deterministic_setting():
+    attrs = OP.bind_attrs({"num_weights": 4})
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert use_deterministic(attrs)
+        torch.use_deterministic_algorithms(False)
+        assert not use_deterministic(attrs)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert use_deterministic({**attrs, "deterministic": True})
+
+
+@pytest.mark.parametrize("bad", [-1, 40])
+def test_out_of_range_indices_raise(bad, backend):
+    grad, indices = _data(positions=10, seed=5)
+    indices[4] = bad
+    with pytest.raises(opforge.IndexRangeError) as raised:
+        opforge.embedding_dense_grad(grad, indices, 40)
+    assert raised.value.param == "indices"
+
+
+def test_padding_index_may_lie_outside_the_table_check():
+    grad, indices = _data(positions=10, seed=6)
+    indices[2] = 39
+    out = opforge.embedding_dense_grad(grad, indices, 40, padding_idx=39)
+    assert (out[39] == 0).all()
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(opforge.ShapeError):
+        opforge.embedding_dense_grad(torch.randn(5, 4), torch.zeros(6, dtype=torch.long), 3)
