@@ -12,8 +12,10 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
    ceiling of a memory-bound elementwise kernel;
 4. times bf16 attention (MHA at head dims 64/128/256, causal, GQA) forward and forward +
    backward against torch SDPA in TFLOP/s, after checking out, dq, dk and dv against it,
-   and MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024) against the same computation in
-   torch ops, eager and compiled;
+   MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024) against the same computation in
+   torch ops, eager and compiled, DeepSeek-V3 routing (T = 1, 128, 16384) against its
+   torch composition, and the embedding gradient (V 128256, D 4096, T 16384, uniform and
+   Zipf indices, atomic and deterministic) against aten;
    times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
    eager,
    torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
@@ -413,6 +415,83 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
     return rows
 
 
+GATING_TOKENS = (1, 128, 16384)
+DEEPSEEK_ROUTING = {"k_group": 4, "group_count": 8, "group_select_mode": 1, "norm_type": 1,
+                    "routed_scaling_factor": 2.5}
+
+
+def _gating_torch(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    from opforge.ops.moe_gating import MOE_GATING_TOP_K
+
+    return MOE_GATING_TOP_K.precision.peer(x, bias, 8, 4, 8, 1, 0, 1, False, 2.5, 1e-20)
+
+
+def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
+                 ) -> list[Row]:
+    """DeepSeek-V3 routing (E = 256, 8 groups, k_group 4, k 8, sigmoid, bias) at T = 1,
+    128 and 16384 against the torch composition, eager and compiled, after a check that
+    the experts agree; then the embedding gradient (V = 128256, D = 4096, T = 16384, bf16,
+    uniform and Zipf indices), atomic and deterministic, against aten. The
+    ``fraction_of_copy`` column holds the speed relative to torch eager."""
+    from opforge.ops.embedding_dense_grad import zipf_indices
+
+    rows = []
+    generator = torch.Generator().manual_seed(4)
+    for tokens in GATING_TOKENS:
+        shape = f"T{tokens} E256"
+        try:
+            x = torch.randn(tokens, 256, generator=generator).to(device, torch.bfloat16)
+            bias = (0.05 * torch.randn(256, generator=generator)).to(device, torch.bfloat16)
+            ours = opforge.moe_gating_top_k(x, 8, bias=bias, **DEEPSEEK_ROUTING)
+            theirs = _gating_torch(x, bias)
+            same = torch.equal(ours[1].sort(-1)[0], theirs[1].sort(-1)[0])
+            rows.append(Row("check", "moe_gating_top_k", shape, "bf16", "experts vs torch",
+                            status="ok" if same else "FAIL", detail="same expert sets"))
+            impls = [("opforge", functools.partial(opforge.moe_gating_top_k, x, 8, bias=bias,
+                                                   **DEEPSEEK_ROUTING)),
+                     ("torch eager", functools.partial(_gating_torch, x, bias))]
+            if compile_peers:
+                impls.append(("torch.compile", functools.partial(
+                    torch.compile(_gating_torch, dynamic=False), x, bias)))
+            timings = {impl: bench_us(call, warmup_ms, rep_ms) for impl, call in impls}
+            for impl, us in timings.items():
+                rows.append(Row("time", "moe_gating_top_k", shape, "bf16", impl, us,
+                                x.numel() * 2, bandwidth(x.numel() * 2, us),
+                                timings["torch eager"] / us, detail="ratio to torch eager"))
+        except Exception as error:  # reported; the next size still runs
+            rows.append(_error_row("time", "moe_gating_top_k", shape, "bf16", "opforge",
+                                   error))
+    for name in ("uniform", "zipf"):
+        shape = f"V128256 D4096 T16384 {name}"
+        try:
+            grad = torch.randn(16384, 4096, generator=generator).to(device, torch.bfloat16)
+            indices = (torch.randint(0, 128256, (16384,), generator=generator)
+                       if name == "uniform" else zipf_indices((16384,), 128256, generator))
+            indices = indices.to(device)
+            impls = [(f"opforge {mode}", functools.partial(
+                opforge.embedding_dense_grad, grad, indices, 128256,
+                deterministic=mode == "deterministic")) for mode in ("atomic",
+                                                                     "deterministic")]
+            impls.append(("torch aten", functools.partial(
+                torch.ops.aten.embedding_dense_backward, grad, indices, 128256, -1, False)))
+            expected = impls[2][1]().float()
+            for impl, call in impls[:2]:
+                diff = max_abs_diff(call(), expected)
+                rows.append(Row("check", "embedding_dense_grad", shape, "bf16", impl,
+                                max_abs_diff=diff, status="ok" if diff < 0.5 else "FAIL",
+                                detail="vs aten, bf16 rows summed"))
+            timings = {impl: bench_us(call, warmup_ms, rep_ms) for impl, call in impls}
+            moved = grad.numel() * 2 + 128256 * 4096 * 2
+            for impl, us in timings.items():
+                rows.append(Row("time", "embedding_dense_grad", shape, "bf16", impl, us,
+                                moved, bandwidth(moved, us), timings["torch aten"] / us,
+                                detail="ratio to torch aten"))
+        except Exception as error:  # reported; the next case still runs
+            rows.append(_error_row("time", "embedding_dense_grad", shape, "bf16", "opforge",
+                                   error))
+    return rows
+
+
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest ``|actual - expected|``, computed in float32."""
     return (actual.float() - expected.float()).abs().max().item()
@@ -663,7 +742,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="size of the copy-bandwidth buffer (MiB)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--skip-attention", action="store_true",
-                        help="skip the attention and MlaProlog timings")
+                        help="skip the attention, MlaProlog, routing and embedding timings")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -692,7 +771,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert copy_gb_s is not None
     if not args.skip_attention:
         for row in [*attention_rows(device, args.warmup_ms, args.rep_ms),
-                    *mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms)]:
+                    *mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms),
+                    *routing_rows(device, not args.no_compile, args.warmup_ms,
+                                  args.rep_ms)]:
             _print_row(row)
             rows.append(row)
     # One compiled function per operator: a new shape recompiles (dynamic=False), which
