@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import opforge
+import opforge.nn
 from opforge.ops.embedding_dense_grad import use_deterministic, zipf_indices
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
@@ -97,3 +98,18 @@ def test_padding_index_may_lie_outside_the_table_check():
 def test_shape_mismatch_raises():
     with pytest.raises(opforge.ShapeError):
         opforge.embedding_dense_grad(torch.randn(5, 4), torch.zeros(6, dtype=torch.long), 3)
+
+
+def test_nn_embedding_matches_torch_and_uses_the_operator(backend):
+    torch.manual_seed(7)
+    ours = opforge.nn.Embedding(30, 8, padding_idx=2, scale_grad_by_freq=True)
+    theirs = torch.nn.Embedding(30, 8, padding_idx=2, scale_grad_by_freq=True)
+    theirs.load_state_dict(ours.state_dict())
+    indices = zipf_indices((4, 9), 30, torch.Generator().manual_seed(8))
+    upstream = torch.randn(4, 9, 8)
+    (ours(indices) * upstream).sum().backward()
+    (theirs(indices) * upstream).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+    assert (ours.weight.grad[2] == 0).all()
+    with pytest.raises(opforge.UnsupportedError):
+        opforge.nn.Embedding(3, 2, max_norm=1.0)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from opforge import functional
-from opforge.core.errors import ShapeError
+from opforge.core.errors import ShapeError, UnsupportedError
 
 
 class GELU(torch.nn.Module):
@@ -160,3 +160,58 @@ class Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    """Row lookup whose weight gradient is `opforge.embedding_dense_grad`."""
+
+    @staticmethod
+    def forward(ctx: object, weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
+                scale_grad_by_freq: bool) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
+        ctx.scale_grad_by_freq = scale_grad_by_freq
+        return torch.nn.functional.embedding(indices, weight)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (indices,) = ctx.saved_tensors
+        grad_weight = functional.embedding_dense_grad(
+            grad.contiguous(), indices, ctx.num_weights, ctx.padding_idx,
+            ctx.scale_grad_by_freq)
+        return grad_weight, None, None, None
+
+
+class Embedding(torch.nn.Module):
+    """``torch.nn.Embedding`` (same arguments and state_dict) whose backward is
+    `opforge.embedding_dense_grad`: deterministic when torch's deterministic algorithms
+    are on, float32 accumulation for 16-bit tables. ``max_norm`` and ``sparse`` are not
+    supported (``UnsupportedError``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__()
+        if max_norm is not None or sparse:
+            raise UnsupportedError("max_norm and sparse gradients are not supported",
+                                   op="Embedding", param="max_norm" if max_norm else "sparse",
+                                   expected="None / False", got=max_norm or sparse)
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
+        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, embedding_dim,
+                                                     device=device, dtype=dtype))
+        torch.nn.init.normal_(self.weight)
+        if padding_idx is not None:
+            with torch.no_grad():
+                self.weight[padding_idx].zero_()
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        padding = -1 if self.padding_idx is None else self.padding_idx
+        return _EmbeddingLookup.apply(self.weight, indices, padding, self.scale_grad_by_freq)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
