@@ -502,7 +502,7 @@ if triton is not None:
                                              BLOCK_EG), 2)
                     score += tl.sum(tl.where(member == second[:, :, None], sel, 0.0), 2)
                 group_keys = tl.where(group_index < G, _keys(score), RETIRED)
-                keep = group_index < 0
+                keep = group_keys < RETIRED  # all False, one flag per (row, group)
                 for _ in range(0, K_GROUP):
                     top = tl.max(group_keys, 1)
                     chosen = tl.min(tl.where(group_keys == top[:, None], group_index,
