@@ -1,0 +1,332 @@
+"""Sequence-parallel attention over ``torch.distributed``: each rank holds a shard of the
+sequence (dim 2 of ``[B, H, S, D]``), key/value blocks travel round a ring of ranks, and
+the partial results merge by the log-sum-exp rule in float32 (the distributed form of the
+online softmax). Works on any backend torch.distributed has (gloo on CPUs, NCCL on GPUs,
+HCCL on NPUs); launch with ``torchrun``.
+
+Layouts (``shard_sequence``): ``"contiguous"`` gives rank r the r-th of W equal chunks;
+``"zigzag"`` cuts the sequence into 2W chunks and gives rank r chunks r and 2W-1-r, in that
+order, which balances causal work (every rank holds one early and one late chunk).
+
+``ring_attention`` runs W steps. At step s a rank attends its queries to the key/value
+block of rank ``(r - s) mod W`` while the next block is already on its way (``isend`` /
+``irecv`` posted before the block's attention): transfers overlap compute. Each block is
+one call of `opforge.attention` with ``return_lse``; with the causal mask only the
+visible part of a block is computed (a whole block, its diagonal, or half of it in the
+zigzag layout). The backward sends key/value blocks round the same ring together with
+their dK/dV accumulators, adds each rank's share from `opforge.attention_backward` (given
+the merged out and lse), and returns the accumulators to their owners with one final hop.
+
+`gathered_attention` is the barrier-synchronised baseline: all-gather K and V, barrier,
+local attention.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from opforge.core.errors import ShapeError
+from opforge.functional import attention, attention_backward
+
+LAYOUTS = ("contiguous", "zigzag")
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _chunks(length: int, world: int, mode: str, op: str) -> int:
+    """Chunk length of a sequence of ``length`` cut for ``world`` ranks.
+
+    Raises:
+        ShapeError: the length does not divide evenly (W chunks, 2W for zigzag).
+        ValueError: an unknown mode.
+    """
+    if mode not in LAYOUTS:
+        raise ValueError(f"mode must be one of {LAYOUTS}, got {mode!r}")
+    parts = world * (2 if mode == "zigzag" else 1)
+    if length % parts:
+        raise ShapeError("sequence length must divide evenly among the ranks", op=op,
+                         param="sequence", expected=f"a multiple of {parts} ({mode}, "
+                         f"{world} ranks); pad the sequence", got=length)
+    return length // parts
+
+
+def _pieces(rank: int, world: int, mode: str) -> tuple[int, ...]:
+    """The chunk numbers rank ``rank`` holds, in order."""
+    return (rank, 2 * world - 1 - rank) if mode == "zigzag" else (rank,)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, mode: str | None = None,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's shard of the full tensor ``x`` along ``dim`` (``mode`` contiguous by
+    default, or zigzag). A copy.
+
+    Raises:
+        ShapeError: the length along ``dim`` does not divide evenly.
+    """
+    mode = mode or "contiguous"
+    rank, world = _group_info(group)
+    size = _chunks(x.shape[dim], world, mode, "shard_sequence")
+    return torch.cat([x.narrow(dim, piece * size, size) for piece in _pieces(rank, world,
+                                                                          mode)], dim)
+
+
+def _reorder(gathered: list[torch.Tensor], dim: int, mode: str) -> torch.Tensor:
+    """The full tensor from every rank's shard (rank order)."""
+    world = len(gathered)
+    if mode == "contiguous":
+        return torch.cat(gathered, dim)
+    halves = [shard.chunk(2, dim) for shard in gathered]
+    ordered = [halves[r][0] for r in range(world)] + [halves[r][1]
+                                                       for r in reversed(range(world))]
+    return torch.cat(ordered, dim)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, shard: torch.Tensor, dim: int, mode: str,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.dim, ctx.mode, ctx.group = dim, mode, group
+        gathered = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, shard.contiguous(), group=group)
+        return _reorder(gathered, dim, mode)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Every rank's loss may use the whole tensor: its shard's gradient is the sum of
+        # all ranks' gradients for that shard.
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return shard_sequence(total, ctx.dim, ctx.mode, ctx.group), None, None, None
+
+
+def unshard_sequence(shard: torch.Tensor, dim: int, mode: str | None = None,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The full tensor gathered from every rank's shard (inverse of `shard_sequence`),
+    differentiably: the gradient of a shard is the sum over ranks of the gradients of
+    its slice."""
+    return _Unshard.apply(shard, dim, mode or "contiguous", group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which part of a key/value block a rank's queries see
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One (query rows, key rows, causal) piece of a block's attention; ``None`` slices
+    mean all rows."""
+
+    rows: slice
+    keys: slice
+    causal: bool
+
+
+def _visible(rank: int, source: int, world: int, chunk: int, causal: bool, layout: str
+             ) -> list[_Block]:
+    """The pieces of rank ``source``'s key block that rank ``rank``'s queries see."""
+    everything = slice(None)
+    if not causal:
+        return [_Block(everything, everything, False)]
+    if layout == "contiguous":
+        if source < rank:
+            return [_Block(everything, everything, False)]
+        return [_Block(everything, everything, True)] if source == rank else []
+    if source == rank:
+        return [_Block(everything, everything, True)]
+    if source < rank:  # its first chunk precedes both of ours, its second follows both
+        return [_Block(everything, slice(0, chunk), False)]
+    # its chunks both fall between our first and our second
+    return [_Block(slice(chunk, 2 * chunk), everything, False)]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the float32 running (out, lse) of ``rows``, in
+    place: the log-sum-exp rule."""
+    old_out, old_lse = out[:, :, rows], lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    # Rows that have seen no key yet keep lse -inf: exp(-inf - -inf) is NaN, use 0.
+    keep = torch.nan_to_num(torch.exp(old_lse - new_lse), nan=0.0)
+    take = torch.nan_to_num(torch.exp(block_lse - new_lse), nan=0.0)
+    out[:, :, rows] = old_out * keep[..., None] + block_out.float() * take[..., None]
+    lse[:, :, rows] = new_lse
+
+
+class _Ring:
+    """Send to the next rank, receive from the previous one, asynchronously."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
+        self.group, self.timeout = group, timeout
+        rank, world = _group_info(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(
+            range(world))
+        self.next, self.previous = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
+
+    def start(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[object]]:
+        received = [torch.empty_like(t) for t in tensors]
+        works = []
+        for out, into in zip(tensors, received):
+            works.append(dist.isend(out.contiguous(), self.next, group=self.group))
+            works.append(dist.irecv(into, self.previous, group=self.group))
+        return received, works
+
+    def finish(self, works: list[object]) -> None:
+        """Wait for the transfers; a peer that died or stalls raises within the timeout."""
+        for work in works:
+            if not work.wait(self.timeout):
+                raise TimeoutError(f"ring transfer did not finish within {self.timeout}")
+
+
+class _Timed:
+    """Adds the wall time of a ``with`` block to ``timings[name]`` (when given)."""
+
+    def __init__(self, timings: dict[str, float] | None, name: str) -> None:
+        self.timings, self.name = timings, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.timings is not None:
+            self.timings[self.name] = self.timings.get(self.name, 0.0) + \
+                time.perf_counter() - self.start
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float | None, layout: str, ring: _Ring, world: int, rank: int,
+                  timings: dict[str, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    block = [k, v]
+    for step in range(world):
+        works = []
+        if step + 1 < world:
+            incoming, works = ring.start(block)
+        source = (rank - step) % world
+        with _Timed(timings, "compute"):
+            for piece in _visible(rank, source, world, chunk, causal, layout):
+                part_out, part_lse = attention(q[:, :, piece.rows], block[0][:, :, piece.keys],
+                                               block[1][:, :, piece.keys], piece.causal,
+                                               scale, return_lse=True)
+                _merge(out, lse, piece.rows, part_out, part_lse)
+        if works:
+            with _Timed(timings, "wait"):
+                ring.finish(works)
+            block = incoming
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None,
+                   layout: str, ring: _Ring, world: int, rank: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
+    grad_q = torch.zeros_like(q, dtype=torch.float32)
+    travelling = [k, v, torch.zeros_like(k, dtype=torch.float32),
+                  torch.zeros_like(v, dtype=torch.float32)]
+    for step in range(world):
+        source = (rank - step) % world
+        block_k, block_v, grad_k, grad_v = travelling
+        for piece in _visible(rank, source, world, chunk, causal, layout):
+            dq, dk, dv = attention_backward(
+                dout[:, :, piece.rows], q[:, :, piece.rows], block_k[:, :, piece.keys],
+                block_v[:, :, piece.keys], out[:, :, piece.rows], lse[:, :, piece.rows],
+                piece.causal, scale)
+            grad_q[:, :, piece.rows] += dq.float()
+            grad_k[:, :, piece.keys] += dk.float()
+            grad_v[:, :, piece.keys] += dv.float()
+        # Pass the block and its accumulators on; after the last step one more hop brings
+        # each accumulator home.
+        incoming, works = ring.start(travelling if step + 1 < world else [grad_k, grad_v])
+        ring.finish(works)
+        travelling = incoming
+    grad_k, grad_v = travelling[-2:]
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool, scale: float | None, layout: str,
+                group: dist.ProcessGroup | None, timeout: datetime.timedelta,
+                timings: dict[str, float] | None) -> torch.Tensor:
+        rank, world = _group_info(group)
+        ring = _Ring(group, timeout)
+        out, lse = _ring_forward(q, k, v, causal, scale, layout, ring, world, rank, timings)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (causal, scale, layout, ring, world, rank)
+        return out
+
+    @staticmethod
+    def backward(ctx: object, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
+        return (*grads, None, None, None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: dist.ProcessGroup | None = None, causal: bool = False,
+                   scale: float | None = None, layout: str | None = None,
+                   timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                   timings: dict[str, float] | None = None) -> torch.Tensor:
+    """Attention of this rank's query shard against the whole sequence, whose key/value
+    shards live on the ranks of ``group``.
+
+    Args:
+        q, k, v: this rank's shards ``[B, H, S/W, D]`` (as `shard_sequence` cuts them;
+            GQA as in `opforge.attention`).
+        causal: causal over global positions.
+        layout: ``"contiguous"`` or ``"zigzag"``; None: zigzag when causal.
+        timeout: how long a transfer may take before ``TimeoutError`` (a dead or stalled
+            peer never hangs the others forever).
+        timings: if given, accumulates seconds of ``compute`` and ``wait``.
+
+    Returns:
+        This rank's output shard, differentiable in q, k, v (the backward runs the ring
+        again).
+
+    Raises:
+        ShapeError: the shard lengths differ or a zigzag shard is odd.
+    """
+    layout = layout or ("zigzag" if causal else "contiguous")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if k.shape[2] != q.shape[2] or (layout == "zigzag" and q.shape[2] % 2):
+        raise ShapeError("shards must have one even length (zigzag: two equal chunks)",
+                         op="ring_attention", param="k", expected=q.shape[2],
+                         got=k.shape[2])
+    return _RingAttention.apply(q, k, v, causal, scale, layout, group, timeout, timings)
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       group: dist.ProcessGroup | None = None, causal: bool = False,
+                       scale: float | None = None, layout: str | None = None
+                       ) -> torch.Tensor:
+    """The barrier-synchronised baseline (for comparison): all-gather K and V, barrier,
+    then this rank's queries against the whole sequence (a causal rank attends to the
+    keys before its chunks' ends, which the bottom-right mask aligns)."""
+    layout = layout or ("zigzag" if causal else "contiguous")
+    rank, world = _group_info(group)
+    keys = unshard_sequence(k, 2, layout, group)
+    values = unshard_sequence(v, 2, layout, group)
+    dist.barrier(group=group)
+    if not causal:
+        return attention(q, keys, values, False, scale)
+    chunk = q.shape[2] // len(_pieces(rank, world, layout))
+    parts = []
+    for index, piece in enumerate(_pieces(rank, world, layout)):
+        end = (piece + 1) * chunk
+        rows = q[:, :, index * chunk:(index + 1) * chunk]
+        parts.append(attention(rows, keys[:, :, :end], values[:, :, :end], True, scale))
+    return torch.cat(parts, 2)
+
