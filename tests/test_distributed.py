@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import opforge
 from opforge.distributed import (
     gathered_attention,
+    hierarchical_groups,
     ring_attention,
     shard_sequence,
     unshard_sequence,
@@ -81,4 +82,71 @@ def _uneven_worker(rank: int, world: int, init_file: str) -> None:
 def test_uneven_lengths_are_rejected():
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_uneven_worker, args=(2, os.path.join(directory, "init")), nprocs=2,
+                 join=True)
+
+
+def _stalled_worker(rank: int, world: int, init_file: str, results: str) -> None:
+    import time
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    q = torch.zeros(1, 1, 4, 8)
+    if rank == 1:  # a rank that stalls: never joins the ring
+        time.sleep(8)
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        with opforge.use_backend("torch"):
+            ring_attention(q, q, q, timeout=datetime.timedelta(seconds=2))
+        outcome = "no error"
+    except (TimeoutError, RuntimeError) as error:
+        outcome = f"{type(error).__name__} after {time.perf_counter() - start:.1f}s"
+    with open(results, "w") as handle:
+        handle.write(outcome)
+    os._exit(0)  # the peer never finished its side: skip the collective teardown
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
+    with tempfile.TemporaryDirectory() as directory:
+        results = os.path.join(directory, "results")
+        mp.spawn(_stalled_worker, args=(2, os.path.join(directory, "init"), results),
+                 nprocs=2, join=True)
+        with open(results) as handle:
+            outcome = handle.read()
+    kind, _, seconds = outcome.partition(" after ")
+    assert kind in ("TimeoutError", "RuntimeError"), outcome
+    assert float(seconds.rstrip("s")) < 7.0, outcome
+
+
+def _hierarchy_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        groups = hierarchical_groups(2)
+        assert (groups.node, groups.local_rank) == divmod(rank, 2)
+        assert dist.get_world_size(groups.intra) == 2
+        assert (groups.inter is not None) == (rank % 2 == 0)
+        # A ring inside each node over that node's half of the sequence.
+        q, k, v, _ = _full_inputs()
+        node_part = [t[:, :, groups.node * SEQ // 2:(groups.node + 1) * SEQ // 2]
+                     for t in (q, k, v)]
+        with opforge.use_backend("torch"):
+            shards = [shard_sequence(t, 2, "contiguous", groups.intra) for t in node_part]
+            out = ring_attention(*shards, group=groups.intra)
+            expected = opforge.attention(*node_part)
+        torch.testing.assert_close(out, shard_sequence(expected, 2, "contiguous",
+                                                       groups.intra), rtol=1e-5, atol=1e-6)
+        if groups.inter is not None:
+            total = torch.tensor([float(rank)])
+            dist.all_reduce(total, group=groups.inter)
+            assert total.item() == 2.0  # leaders 0 and 2
+        with pytest.raises(ValueError):
+            hierarchical_groups(3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hierarchical_groups_run_a_ring_inside_each_node():
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_hierarchy_worker, args=(4, os.path.join(directory, "init")), nprocs=4,
                  join=True)

@@ -308,6 +308,42 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _RingAttention.apply(q, k, v, causal, scale, layout, group, timeout, timings)
 
 
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """The groups of a two-level layout: ``intra`` holds this rank's node (ranks
+    ``node * local_world_size ...``), ``inter`` the node leaders (local rank 0 of every
+    node; None on the other ranks)."""
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup | None
+    node: int
+    local_rank: int
+
+
+def hierarchical_groups(local_world_size: int) -> HierarchicalGroups:
+    """Build intra-node and inter-node (leader) groups from the world, nodes of
+    ``local_world_size`` consecutive ranks. Every rank must call it (group creation is
+    collective). The flat ring over the world stays the default of `ring_attention`;
+    pass ``groups.intra`` to run a ring inside a node.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``local_world_size``.
+    """
+    world = dist.get_world_size()
+    if local_world_size < 1 or world % local_world_size:
+        raise ValueError(f"world size {world} is not a multiple of local_world_size "
+                         f"{local_world_size}")
+    rank = dist.get_rank()
+    node, local_rank = divmod(rank, local_world_size)
+    intra = None
+    for first in range(0, world, local_world_size):
+        created = dist.new_group(list(range(first, first + local_world_size)))
+        if first == node * local_world_size:
+            intra = created
+    leaders = dist.new_group(list(range(0, world, local_world_size)))
+    return HierarchicalGroups(intra, leaders if local_rank == 0 else None, node, local_rank)
+
+
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        group: dist.ProcessGroup | None = None, causal: bool = False,
                        scale: float | None = None, layout: str | None = None
