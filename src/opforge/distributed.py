@@ -161,8 +161,9 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new_lse
 
 
-class _Ring:
-    """Send to the next rank, receive from the previous one, asynchronously."""
+class Ring:
+    """Point-to-point ring of a group: `start` sends tensors to the next rank and receives
+    as many from the previous one, asynchronously; `finish` waits, within the timeout."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
         self.group, self.timeout = group, timeout
@@ -202,7 +203,7 @@ class _Timed:
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float | None, layout: str, ring: _Ring, world: int, rank: int,
+                  scale: float | None, layout: str, ring: Ring, world: int, rank: int,
                   timings: dict[str, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
     out = torch.zeros(*q.shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
@@ -228,7 +229,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None,
-                   layout: str, ring: _Ring, world: int, rank: int
+                   layout: str, ring: Ring, world: int, rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
     grad_q = torch.zeros_like(q, dtype=torch.float32)
@@ -261,7 +262,7 @@ class _RingAttention(torch.autograd.Function):
                 group: dist.ProcessGroup | None, timeout: datetime.timedelta,
                 timings: dict[str, float] | None) -> torch.Tensor:
         rank, world = _group_info(group)
-        ring = _Ring(group, timeout)
+        ring = Ring(group, timeout)
         out, lse = _ring_forward(q, k, v, causal, scale, layout, ring, world, rank, timings)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (causal, scale, layout, ring, world, rank)
@@ -366,3 +367,48 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         parts.append(attention(rows, keys[:, :, :end], values[:, :, :end], True, scale))
     return torch.cat(parts, 2)
 
+
+
+# Measured on this project's 2-core CI machine class with benchmarks/ring_benchmark.py
+# (gloo over loopback, one thread a rank, fp32; compute 1.1e10 to 1.2e10 FLOP/s, link
+# 3.7e8 to 7e8 B/s over three runs): see docs/distributed.md.
+MEASURED_COMPUTE_FLOPS = 1.1e10
+MEASURED_LINK_BYTES = 5.0e8
+
+
+@dataclass(frozen=True)
+class Projection:
+    """`scaling_model`'s estimate for one world size: seconds per forward for the ring
+    and the barrier baseline, and their speed-ups over one rank."""
+
+    world: int
+    ring_s: float
+    barrier_s: float
+    ring_speedup: float
+    barrier_speedup: float
+
+
+def scaling_model(world: int, seq: int, heads: int = 32, dim: int = 128, batch: int = 1,
+                  causal: bool = False, dtype_bytes: int = 2,
+                  compute_flops: float = MEASURED_COMPUTE_FLOPS,
+                  link_bytes: float = MEASURED_LINK_BYTES,
+                  latency_s: float = 20e-6) -> Projection:
+    """Project the forward time of sequence-parallel attention on ``world`` ranks.
+
+    Work: ``4 B H S² D`` FLOP (halved when causal; zigzag keeps it even across ranks)
+    at ``compute_flops`` per rank. A key/value shard is ``2 B H (S/W) D dtype_bytes``
+    bytes, moved at ``link_bytes`` per second plus ``latency_s`` per message.
+
+    - ring: W blocks of ``work / W²`` each; the first is local, each later one waits for
+      its transfer only where the transfer is slower than the block:
+      ``c + (W - 1) max(c, t)``.
+    - barrier: all-gather of the other W - 1 shards (ring all-gather: W - 1 transfers in
+      sequence), then all the rank's work: ``(W - 1) t + W c``.
+    """
+    work = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    block = work / world**2 / compute_flops
+    transfer = 2 * batch * heads * (seq / world) * dim * dtype_bytes / link_bytes + latency_s
+    single = work / compute_flops
+    ring = block + (world - 1) * max(block, transfer)
+    barrier = (world - 1) * transfer + world * block
+    return Projection(world, ring, barrier, single / ring, single / barrier)
