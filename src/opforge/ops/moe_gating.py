@@ -29,6 +29,7 @@ and the renormalisation (not through the selection).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -287,21 +288,21 @@ def _softmax_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
     return [inputs[0].dtype, torch.int32, torch.int32]
 
 
+def _flat_rows(x: object) -> int:
+    """Rows of x with its leading dims flattened."""
+    return math.prod(x.shape[:-1])
+
+
 def _softmax_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
                     ) -> list[Tiling]:
-    rows = 1
-    for size in inputs[0].shape[:-1]:
-        rows *= size
-    flat = (type(inputs[0])((rows, inputs[0].shape[-1]), inputs[0].dtype), None)
+    flat = (type(inputs[0])((_flat_rows(inputs[0]), inputs[0].shape[-1]), inputs[0].dtype),
+            None)
     return _tiling(flat, outputs, MOE_GATING_TOP_K.bind_attrs({"k": attrs["k"]}), hardware)
 
 
 def _softmax_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
                   hardware: HardwareProfile) -> tuple[int, ...]:
-    rows = 1
-    for size in inputs[0].shape[:-1]:
-        rows *= size
-    tiles = cdiv(rows, tiling.blocks["BLOCK_M"])
+    tiles = cdiv(_flat_rows(inputs[0]), tiling.blocks["BLOCK_M"])
     return (max(1, min(tiles, hardware.core_count * 8, MAX_PROGRAMS)),)
 
 
