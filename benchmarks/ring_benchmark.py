@@ -134,6 +134,7 @@ def main() -> int:
                  "compute_rate": compute_rate, "link_rate": link_rate, "overlap": overlap}]
         write_results(args.out, "ring", flat, text)
         print(text)
+    dist.barrier()  # no rank closes its connections while a peer still receives
     dist.destroy_process_group()
     return 0
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import opforge
 from opforge.distributed import (
     gathered_attention,
+    hierarchical_attention,
     hierarchical_groups,
     ring_attention,
     shard_sequence,
@@ -28,6 +29,13 @@ SEQ, HEADS, DIM = 24, 2, 8
 def _full_inputs() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return [torch.randn(1, HEADS, SEQ, DIM, generator=generator) for _ in range(4)]
+
+
+def _teardown() -> None:
+    """Wait for every rank before closing the connections: a rank that tears down while
+    a peer's last receive is in flight aborts that peer."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, init_file: str) -> None:
@@ -55,8 +63,10 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                                                   causal=causal, layout=layout)
                     torch.testing.assert_close(baseline, out.detach(), rtol=1e-5, atol=1e-6)
                     assert torch.equal(unshard_sequence(shards[0].detach(), 2, layout), q)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        raise  # no teardown: its barrier would wait for the ranks still working
+    else:
+        _teardown()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -68,15 +78,17 @@ def test_ring_attention_equals_single_process_attention(world):
 
 def _uneven_worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         with pytest.raises(opforge.ShapeError, match="divide evenly"):
             shard_sequence(torch.zeros(1, 1, 10, 4), 2, "zigzag")
         with pytest.raises(opforge.ShapeError):
             ring_attention(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4),
                            torch.zeros(1, 1, 3, 4), causal=True)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        raise  # no teardown: its barrier would wait for the ranks still working
+    else:
+        _teardown()
 
 
 def test_uneven_lengths_are_rejected():
@@ -120,7 +132,7 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
 
 def _hierarchy_worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         groups = hierarchical_groups(2)
         assert (groups.node, groups.local_rank) == divmod(rank, 2)
@@ -142,11 +154,47 @@ def _hierarchy_worker(rank: int, world: int, init_file: str) -> None:
             assert total.item() == 2.0  # leaders 0 and 2
         with pytest.raises(ValueError):
             hierarchical_groups(3)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        raise  # no teardown: its barrier would wait for the ranks still working
+    else:
+        _teardown()
 
 
 def test_hierarchical_groups_run_a_ring_inside_each_node():
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_hierarchy_worker, args=(4, os.path.join(directory, "init")), nprocs=4,
                  join=True)
+
+
+def _two_level_worker(rank: int, world: int, init_file: str, local: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    try:
+        groups = hierarchical_groups(local)
+        q, k, v, dout = _full_inputs()
+        with opforge.use_backend("torch"):
+            for causal in (False, True):
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                expected = opforge.attention(*full, causal=causal)
+                expected_grads = torch.autograd.grad(expected, full, dout)
+                shards = [shard_sequence(t, 2).requires_grad_() for t in (q, k, v)]
+                out = hierarchical_attention(*shards, groups, causal=causal)
+                grads = torch.autograd.grad(out, shards, shard_sequence(dout, 2))
+                torch.testing.assert_close(out, shard_sequence(expected.detach(), 2),
+                                           rtol=1e-5, atol=1e-6)
+                for mine, whole in zip(grads, expected_grads):
+                    torch.testing.assert_close(mine, shard_sequence(whole, 2), rtol=1e-4,
+                                               atol=1e-5)
+    except BaseException:
+        raise  # no teardown: its barrier would wait for the ranks still working
+    else:
+        _teardown()
+
+
+@pytest.mark.parametrize("local", [1, 2, 4])
+def test_two_level_attention_equals_single_process_attention(local):
+    """4 ranks as 4 nodes of 1, 2 nodes of 2 and 1 node of 4: forward and backward."""
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_two_level_worker, args=(4, os.path.join(directory, "init"), local),
+                 nprocs=4, join=True)

@@ -345,6 +345,105 @@ def hierarchical_groups(local_world_size: int) -> HierarchicalGroups:
     return HierarchicalGroups(intra, leaders if local_rank == 0 else None, node, local_rank)
 
 
+class _Shift(torch.autograd.Function):
+    """Send to the next rank of ``group`` and receive from the previous one; the gradient
+    goes round the other way."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup,
+                timeout: datetime.timedelta) -> torch.Tensor:
+        ctx.group, ctx.timeout = group, timeout
+        ring = Ring(group, timeout)
+        (received,), works = ring.start([x])
+        ring.finish(works)
+        return received
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ring = Ring(ctx.group, ctx.timeout)
+        ring.next, ring.previous = ring.previous, ring.next
+        (received,), works = ring.start([grad.contiguous()])
+        ring.finish(works)
+        return received, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    """Broadcast from ``source`` (a global rank) within ``group``; the gradients of every
+    rank are summed back onto the source (the others' inputs get none)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, source: int, group: dist.ProcessGroup
+                ) -> torch.Tensor:
+        ctx.source, ctx.group = source, group
+        out = x.detach().clone().contiguous()
+        dist.broadcast(out, source, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        total = grad.contiguous().clone()
+        dist.reduce(total, ctx.source, group=ctx.group)
+        if dist.get_rank() != ctx.source:
+            total = torch.zeros_like(total)
+        return total, None, None
+
+
+def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           groups: HierarchicalGroups, causal: bool = False,
+                           scale: float | None = None,
+                           timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> torch.Tensor:
+    """The two-level scheme over `hierarchical_groups`, for contiguous shards: each node
+    gathers its ranks' K/V into one node block, node blocks go round the ring of node
+    leaders (one transfer per node and step instead of one per rank), each leader
+    broadcasts the block it received inside its node, and every rank attends its queries
+    to each node block and merges by log-sum-exp. Differentiable (the transfers run in
+    reverse in the backward). Transfers do not overlap compute here: the flat
+    `ring_attention` stays the default.
+
+    Raises:
+        ShapeError: the shard lengths differ.
+    """
+    if k.shape[2] != q.shape[2]:
+        raise ShapeError("shards must have one length", op="hierarchical_attention",
+                         param="k", expected=q.shape[2], got=k.shape[2])
+    local_size = dist.get_world_size(groups.intra)
+    nodes = dist.get_world_size() // local_size
+    leader = groups.node * local_size
+    chunk, width = q.shape[2], k.shape[3]
+    # K and V travel as one tensor along one chain of transfers, so that every rank runs
+    # the reverse transfers of the backward in the same order.
+    block = unshard_sequence(torch.cat([k, v], -1), 2, "contiguous", groups.intra)
+    out = lse = None
+    unused = []
+    for step in range(nodes):
+        if step:
+            if groups.inter is not None:
+                block = _Shift.apply(block, groups.inter, timeout)
+            block = _Broadcast.apply(block, leader, groups.intra)
+        source = (groups.node - step) % nodes
+        if causal and source > groups.node:
+            unused.append(block)
+            continue
+        keys, values = block[..., :width], block[..., width:]
+        if causal and source == groups.node:
+            end = (groups.local_rank + 1) * chunk
+            keys, values = keys[:, :, :end], values[:, :, :end]
+        part_out, part_lse = attention(q, keys, values, causal and source == groups.node,
+                                       scale, return_lse=True)
+        if out is None:
+            out, lse = part_out.float(), part_lse
+            continue
+        merged = torch.logaddexp(lse, part_lse)
+        out = out * torch.exp(lse - merged)[..., None] \
+            + part_out.float() * torch.exp(part_lse - merged)[..., None]
+        lse = merged
+    if unused:
+        # Blocks this rank does not attend to still carry (zero) gradients, so that its
+        # reverse transfers pair with its neighbours'.
+        out = out + torch.nan_to_num(sum(b.sum() for b in unused) * 0.0, nan=0.0)
+    return out.to(q.dtype)
+
+
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        group: dist.ProcessGroup | None = None, causal: bool = False,
                        scale: float | None = None, layout: str | None = None
