@@ -34,7 +34,7 @@ from opforge.core.workspace import WorkspacePool
 
 _POISON = {"enabled": os.environ.get("OPFORGE_POISON", "0") not in ("", "0")}
 workspace_pool = WorkspacePool()
-# Reentrant: a launcher may run other operators (a composite such as mla_prolog).
+# Reentrant: a launcher may run other operators (a composite operator).
 _interpreter_lock = threading.RLock()
 workspace_pool.poison = _POISON["enabled"]
 
