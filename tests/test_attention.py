@@ -231,10 +231,8 @@ def test_error_does_not_grow_faster_than_sdpa():
                     assert mine < naive
 
 
-def test_golden_case_with_nan_input_propagates(backend):
+def test_a_nan_value_reaches_exactly_its_output_column(backend):
     q, k, v = _qkv(1, 1, 1, 4, 6, 16)
     v[0, 0, 2, 3] = math.nan
-    case = Case("nan_value", (q, k, v))
     out = opforge.attention(q, k, v)
-    assert torch.isnan(out[..., 3]).all() and not torch.isnan(out[..., :3]).any()
-    assert case.inputs[2].isnan().any()
+    assert torch.isnan(out[..., 3]).all() and not torch.isnan(out[..., [0, 1, 2, 4]]).any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import opforge
 from opforge.moe import (
     MoEGate,
     combine,
@@ -48,8 +49,9 @@ def test_dynamic_k_keeps_the_fewest_experts_reaching_the_share():
     kept = dynamic_k(weights, 0.8)
     assert kept.tolist() == [[False, True, True], [True, True, True], [True, False, False]]
     assert dynamic_k(weights, 1e-9).sum(-1).tolist() == [1, 1, 1]
-    with pytest.raises(ValueError):
+    with pytest.raises(opforge.AttrError) as raised:
         dynamic_k(weights, 0.0)
+    assert raised.value.param == "threshold"
 
 
 def test_moe_layer_equals_a_per_token_loop():
@@ -108,5 +110,6 @@ def test_dynamic_gate_zeroes_dropped_experts_and_keeps_the_row_total():
 
 
 def test_dispatch_rejects_bad_indices():
-    with pytest.raises(ValueError):
+    with pytest.raises(opforge.IndexRangeError) as raised:
         dispatch(torch.randn(2, 4), torch.tensor([[0, 5], [1, 2]]), 5)
+    assert raised.value.param == "expert_idx" and raised.value.got == 5

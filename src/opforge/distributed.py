@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from opforge.core.errors import ShapeError
+from opforge.core.errors import AttrError, ShapeError
 from opforge.functional import attention, attention_backward
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -42,15 +42,21 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _check_layout(layout: str, op: str, param: str) -> None:
+    """Raises AttrError for a layout that is not contiguous or zigzag."""
+    if layout not in LAYOUTS:
+        raise AttrError("is not a known layout", op=op, param=param,
+                        expected=f"one of {LAYOUTS}", got=repr(layout))
+
+
 def _chunks(length: int, world: int, mode: str, op: str) -> int:
     """Chunk length of a sequence of ``length`` cut for ``world`` ranks.
 
     Raises:
         ShapeError: the length does not divide evenly (W chunks, 2W for zigzag).
-        ValueError: an unknown mode.
+        AttrError: an unknown mode.
     """
-    if mode not in LAYOUTS:
-        raise ValueError(f"mode must be one of {LAYOUTS}, got {mode!r}")
+    _check_layout(mode, op, "mode")
     parts = world * (2 if mode == "zigzag" else 1)
     if length % parts:
         raise ShapeError("sequence length must divide evenly among the ranks", op=op,
@@ -297,11 +303,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         again).
 
     Raises:
-        ShapeError: the shard lengths differ or a zigzag shard is odd.
+        ShapeError: the shard lengths differ or a zigzag shard is odd. AttrError: an
+            unknown layout.
     """
     layout = layout or ("zigzag" if causal else "contiguous")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout, "ring_attention", "layout")
     if k.shape[2] != q.shape[2] or (layout == "zigzag" and q.shape[2] % 2):
         raise ShapeError("shards must have one even length (zigzag: two equal chunks)",
                          op="ring_attention", param="k", expected=q.shape[2],
@@ -328,12 +334,13 @@ def hierarchical_groups(local_world_size: int) -> HierarchicalGroups:
     pass ``groups.intra`` to run a ring inside a node.
 
     Raises:
-        ValueError: the world size is not a multiple of ``local_world_size``.
+        AttrError: the world size is not a multiple of ``local_world_size``.
     """
     world = dist.get_world_size()
     if local_world_size < 1 or world % local_world_size:
-        raise ValueError(f"world size {world} is not a multiple of local_world_size "
-                         f"{local_world_size}")
+        raise AttrError("must divide the world size", op="hierarchical_groups",
+                        param="local_world_size", expected=f"a divisor of {world}",
+                        got=local_world_size)
     rank = dist.get_rank()
     node, local_rank = divmod(rank, local_world_size)
     intra = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from opforge.core.errors import AttrError, IndexRangeError
 from opforge.functional import moe_gating_top_k
 
 
@@ -67,9 +68,13 @@ def dynamic_k(weights: torch.Tensor, threshold: float) -> torch.Tensor:
 
     Returns:
         bool ``(T, k)``.
+
+    Raises:
+        AttrError: ``threshold`` outside (0, 1].
     """
     if not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        raise AttrError("is out of range", op="dynamic_k", param="threshold",
+                        expected="a share in (0, 1]", got=threshold)
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
     ranked = weights.gather(-1, order).float()
     share = ranked / ranked.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
@@ -105,12 +110,14 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int) -> Rou
     """Permute ``x`` ``(T, H)`` so that each expert's tokens are contiguous.
 
     Raises:
-        ValueError: an expert index outside ``[0, num_experts)``.
+        IndexRangeError: an expert index outside ``[0, num_experts)``.
     """
     k = expert_idx.shape[1]
     flat = expert_idx.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"expert indices must be in [0, {num_experts})")
+        raise IndexRangeError("holds an expert outside the table", op="dispatch",
+                              param="expert_idx", expected=f"0..{num_experts - 1}",
+                              got=int(flat.min()) if int(flat.min()) < 0 else int(flat.max()))
     order = torch.argsort(flat, stable=True)
     source = order // k
     return RoutedTokens(x[source], torch.bincount(flat, minlength=num_experts), source,
