@@ -34,7 +34,7 @@ from opforge.precision.attention_study import (
     attention_error_growth,
     growth,
 )
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 SETTINGS = {"plain": {"causal": False, "query_scale": 1.0},
             "peaked": {"causal": True, "query_scale": 4.0}}

@@ -28,7 +28,7 @@ from triton.testing import do_bench
 import opforge
 from opforge.core.opdef import Tiling
 from opforge.ops import attention
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 # (BLOCK_M, BLOCK_N, warps, stages)
 FORWARD = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3),

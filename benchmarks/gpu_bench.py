@@ -50,7 +50,7 @@ from torch.nn import functional
 from triton.testing import do_bench
 
 import opforge
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 ALPHA = 1.0
 GELU_APPROXIMATE = "none"

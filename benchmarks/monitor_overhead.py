@@ -24,7 +24,7 @@ import torch
 
 from opforge.precision import Monitor
 from opforge.precision.dump import dump
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 VOCAB, WIDTH, LAYERS, HEADS, FFN, BATCH, TOKENS = 1000, 256, 6, 4, 1024, 16, 128
 

@@ -52,7 +52,7 @@ import torch
 from torch.nn import functional
 
 import opforge
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 BATCHES = (1, 2, 4)
 ALPHA = 0.5

@@ -37,7 +37,7 @@ from opforge.distributed import (
     scaling_model,
     shard_sequence,
 )
-from reporting import environment, write_results
+from opforge.profiler.results import environment, write_results
 
 
 def main() -> int:

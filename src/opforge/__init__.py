@@ -49,6 +49,7 @@ from opforge.functional import (
     sigmoid,
     softmax,
 )
+from opforge.profiler import profile
 
 __version__ = "0.1.0"
 
@@ -83,6 +84,7 @@ __all__ = [
     "moe_gating_top_k",
     "moe_gating_top_k_softmax",
     "plan",
+    "profile",
     "profile_for",
     "reduce_sum",
     "rms_norm",

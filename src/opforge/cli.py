@@ -1,5 +1,5 @@
 """The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``compare``,
-``doctor``, ``calibrate``."""
+``doctor``, ``calibrate``, ``profile``, ``analyse``, ``bench``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -264,6 +265,86 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _script(command: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(``"path"`` or ``"module"``, target, argv) of ``[python] script.py args`` or
+    ``[python] -m module args``."""
+    words = list(command)
+    if words and words[0] == "--":
+        words = words[1:]
+    if words and Path(words[0]).name.startswith("python"):
+        words = words[1:]
+    if not words:
+        raise SystemExit("opforge profile: give the script to run, e.g. "
+                         "`opforge profile -- python train.py`")
+    if words[0] == "-m":
+        if len(words) < 2:
+            raise SystemExit("opforge profile: -m needs a module name")
+        return "module", words[1], [words[1], *words[2:]]
+    return "path", words[0], words
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import runpy
+
+    import opforge
+    from opforge.core.hardware import get_profile
+
+    kind, target, argv = _script(args.script)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
+    status = 0
+    hardware = get_profile(args.hardware) if args.hardware else None
+    try:
+        with opforge.profile(args.out, with_stack=args.with_stack, hardware=hardware) as prof:
+            try:
+                if kind == "path":
+                    runpy.run_path(target, run_name="__main__")
+                else:
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    assert prof.result is not None
+    prof.result.print_summary(console)
+    console.print(f"profile written to {Path(args.out).resolve()}: open report.html, and "
+                  "trace_view.json in https://ui.perfetto.dev")
+    return int(status)
+
+
+def cmd_analyse(args: argparse.Namespace) -> int:
+    from opforge.core.hardware import get_profile
+    from opforge.profiler import analyse
+
+    report = analyse(args.directory, get_profile(args.hardware) if args.hardware else None)
+    report.print_summary(console, top=args.top)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from opforge.profiler import bench
+
+    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else None)
+    results, files = bench.run(args.ops or None, device=args.device,
+                               dtype=getattr(torch, args.dtype), out_dir=args.out,
+                               shapes=shapes, compile=not args.no_compile,
+                               progress=not args.quiet)
+    table = Table(title="opforge bench")
+    for column in ("op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "vs torch", "error"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        table.add_row(r.op, r.shape, r.impl, *("" if v is None else f"{v:.{d}f}" for v, d in (
+            (r.ms, 4), (r.gbs, 1), (r.tflops, 3), (r.speedup, 2))), r.error[:60])
+    console.print(table)
+    for path in files:
+        console.print(f"wrote {path}")
+    return 1 if any(r.error and r.impl == "opforge" for r in results) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,6 +378,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="versions, devices, backend, hardware profile")
     calibrate = sub.add_parser("calibrate", help="measure copy bandwidth and matmul rate")
     calibrate.add_argument("--device", default=None)
+    profile = sub.add_parser(
+        "profile", help="run a script under the profiler: opforge profile -- python x.py")
+    profile.add_argument("--out", default="opforge_profile",
+                         help="directory of the profile files (default ./opforge_profile)")
+    profile.add_argument("--hardware", default=None,
+                         help="judge against this hardware profile (h100, h200, a100, "
+                              "ascend910b, cpu)")
+    profile.add_argument("--with-stack", action="store_true", help="record Python frames")
+    profile.add_argument("script", nargs=argparse.REMAINDER,
+                         help="-- python script.py [args] (or -m module [args])")
+    analyse = sub.add_parser("analyse", help="summary and verdicts of a profile directory")
+    analyse.add_argument("directory")
+    analyse.add_argument("--hardware", default=None,
+                         help="re-judge against this hardware profile")
+    analyse.add_argument("--top", type=int, default=15, help="kernels to list")
+    bench = sub.add_parser("bench", help="operators against torch eager, torch.compile, "
+                                         "Liger-Kernel over a sweep of sizes")
+    bench.add_argument("ops", nargs="*", help="operator names (default: all with a sweep)")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
+    bench.add_argument("--dtype", default="bfloat16",
+                       choices=["float32", "float16", "bfloat16"])
+    bench.add_argument("--shapes", default=None,
+                       help="sizes instead of the operators' sweeps, e.g. 1024x4096,4096x4096")
+    bench.add_argument("--out", default="bench_results", help="directory of the results")
+    bench.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -310,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
                "calibrate": cmd_calibrate, "compile-check": cmd_compile_check,
-               "compare": cmd_compare}[args.command]
+               "compare": cmd_compare, "profile": cmd_profile, "analyse": cmd_analyse,
+               "bench": cmd_bench}[args.command]
     from opforge.core.errors import OpError
 
     try:

@@ -241,7 +241,9 @@ def _with_calibration(profile: HardwareProfile) -> HardwareProfile:
                                peak_flops=flops, source="calibrated")
 
 
-def _median_seconds(fn: object, device: torch.device, repeats: int) -> float:
+def median_seconds(fn: object, device: torch.device, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn()``, synchronising a GPU around
+    each call."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -268,7 +270,7 @@ def calibrate(device: torch.device | str = "cpu", *, copy_bytes: int = 256 * 2**
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), device, repeats)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats)
     bandwidth = 2 * copy_bytes / seconds
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else [])
     flops: dict[str, float] = {}
@@ -276,7 +278,7 @@ def calibrate(device: torch.device | str = "cpu", *, copy_bytes: int = 256 * 2**
         a = torch.randn(matmul_size, matmul_size, dtype=dtype, device=device)
         b = torch.randn_like(a)
         torch.mm(a, b)
-        seconds = _median_seconds(lambda a=a, b=b: torch.mm(a, b), device, repeats)
+        seconds = median_seconds(lambda a=a, b=b: torch.mm(a, b), device, repeats)
         flops[str(dtype).removeprefix("torch.")] = 2 * matmul_size**3 / seconds
     entry: dict[str, object] = {"memory_bandwidth": bandwidth, "peak_flops": flops,
                                 "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}

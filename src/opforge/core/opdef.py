@@ -300,6 +300,31 @@ class PrecisionSpec:
                      if known.matches(case, backend, dtype, failures)), None)
 
 
+@dataclass(frozen=True)
+class BenchSpec:
+    """How ``opforge bench`` sweeps an operator against its peers.
+
+    Attributes:
+        shapes: the sizes swept on an accelerator, passed to ``case``.
+        cpu_shapes: the sizes swept on the CPU (the torch backend or the interpreter).
+        case: ``case(shape, dtype, device, generator) -> Case``: the inputs at one size.
+            ``None``: the first case of the operator's precision sweep for the ``normal``
+            kind at that shape.
+        metric: what is plotted: ``"GB/s"`` (memory-bound operators) or ``"TFLOP/s"``.
+        peers: implementations besides torch's peer (``PrecisionSpec.peer``) and its
+            ``torch.compile``: ``name -> factory(case)`` returning a callable of no
+            arguments, or ``None`` when the peer is not installed (e.g. Liger-Kernel).
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ((4096, 1024), (16384, 1024), (16384, 4096),
+                                           (65536, 4096))
+    cpu_shapes: tuple[tuple[int, ...], ...] = ((64, 1024), (512, 1024), (2048, 1024))
+    case: Callable[..., Case] | None = None
+    metric: str = "GB/s"
+    peers: Mapping[str, Callable[[Case], Callable[[], Any] | None]] = field(
+        default_factory=dict)
+
+
 Specs = Sequence["TensorSpec | None"]
 Attrs = Mapping[str, Any]
 Launcher = Callable[["Plan", Sequence["torch.Tensor | None"], Sequence[torch.Tensor],
@@ -342,6 +367,7 @@ class OpDef:
             e.g. sum(|x|) for a reduction).
         precision: the standard `opforge verify` judges it by, its torch peer, its sweep
             cases and known limitations (`PrecisionSpec`).
+        bench: how ``opforge bench`` sweeps it (`BenchSpec`); ``None``: not benchmarked.
 
     Attached by decorators in the operator module: `reference`, `launcher`, `declines`,
     `autograd`.
@@ -363,6 +389,7 @@ class OpDef:
     autocast: AutocastPolicy = AutocastPolicy.KEEP
     error_scale: Callable[..., torch.Tensor] = magnitude_scale
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    bench: BenchSpec | None = None
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

@@ -10,10 +10,11 @@ one tiling (and one compiled kernel).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,18 @@ def set_poison(enabled: bool) -> None:
     Also enabled by ``OPFORGE_POISON=1``."""
     _POISON["enabled"] = enabled
     workspace_pool.poison = enabled
+
+
+RunObserver = Callable[["Plan"], contextlib.AbstractContextManager[Any]]
+_observer: list[RunObserver | None] = [None]
+
+
+def set_run_observer(observer: RunObserver | None) -> RunObserver | None:
+    """Wrap every `Plan.run` in ``observer(plan)`` (a context manager), e.g. the profiler's
+    record of an operator call; ``None`` removes it. Returns the previous observer."""
+    previous = _observer[0]
+    _observer[0] = observer
+    return previous
 
 
 def _poisoned(tensor: torch.Tensor) -> torch.Tensor:
@@ -202,22 +215,28 @@ class Plan:
             OpError: wrong number of inputs or outputs, or a workspace that is too small.
         """
         inputs = self._check_inputs(tensors)
-        targets, results = self._outputs(out)
-        scratch = self._workspace(workspace)
-        if not self._empty:
-            if self.backend == "torch" and "torch" not in self.op.launchers:
-                run_reference(self, inputs, targets, scratch)
-            elif backends.interpreter_enabled():
-                # The interpreter patches triton.language globally while a kernel runs:
-                # two threads interpreting at once corrupt each other.
-                with _interpreter_lock:
-                    self.op.launchers[self.backend](self, inputs, targets, scratch)
-            else:
-                self.op.launchers[self.backend](self, inputs, targets, scratch)
-        for target, result in zip(targets, results):
-            if target is not result:
-                result.copy_(target)
+        observer = _observer[0]
+        with observer(self) if observer is not None else contextlib.nullcontext():
+            targets, results = self._outputs(out)
+            scratch = self._workspace(workspace)
+            if not self._empty:
+                self._launch(inputs, targets, scratch)
+            for target, result in zip(targets, results):
+                if target is not result:
+                    result.copy_(target)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _launch(self, inputs: Sequence[torch.Tensor | None], targets: Sequence[torch.Tensor],
+                scratch: torch.Tensor | None) -> None:
+        if self.backend == "torch" and "torch" not in self.op.launchers:
+            run_reference(self, inputs, targets, scratch)
+        elif backends.interpreter_enabled():
+            # The interpreter patches triton.language globally while a kernel runs:
+            # two threads interpreting at once corrupt each other.
+            with _interpreter_lock:
+                self.op.launchers[self.backend](self, inputs, targets, scratch)
+        else:
+            self.op.launchers[self.backend](self, inputs, targets, scratch)
 
     def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:
         if self.workspace_bytes == 0:

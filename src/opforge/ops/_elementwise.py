@@ -19,6 +19,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     OpDef,
@@ -158,7 +159,8 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
                    samples: Callable[..., list[Case]], *, precision: PrecisionSpec,
                    attrs: tuple[Attr, ...] = (), flops_per_element: int, temporaries: int = 4,
                    infer_shape: Callable[[Specs, Attrs], list[tuple[int, ...]]] = same_shape,
-                   check: Callable[[Specs, Attrs], None] | None = None) -> OpDef:
+                   check: Callable[[Specs, Attrs], None] | None = None,
+                   bench: BenchSpec | None = None) -> OpDef:
     """The OpDef of an elementwise operator with one output ``out``: by default the
     output has the first input's shape and the inputs' promoted dtype; tiling, grid, cost
     and error scale are the shared ones above."""
@@ -173,6 +175,7 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
         error_scale=perturbation_scale,
         samples=samples,
         precision=precision,
+        bench=bench,
         **extra,
     )
 

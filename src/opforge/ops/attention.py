@@ -41,6 +41,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -361,6 +362,14 @@ RECOMPUTED_EXPONENTS = KnownLimitation(
     "differentiates the stored softmax instead.", case="outliers_*",
     failures=("max_rel ratio*", "mean_rel ratio*", "rmse ratio*", "small_value ratio*"))
 
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """Causal self-attention with q, k and v of ``shape = (B, H, S, D)``."""
+    q, k, v = (generate("normal", shape, dtype, device=device, generator=generator)
+               for _ in range(3))
+    return Case("causal", (q, k, v), {"causal": True})
+
+
 ATTENTION = OpDef(
     name="attention", doc="Flash-style scaled dot-product attention [B, H, S, D] with GQA "
                           "and bottom-right causal masking; out and the float32 lse.",
@@ -370,7 +379,10 @@ ATTENTION = OpDef(
     tiling=_tiling, grid=_grid, samples=_samples, error_scale=_attention_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention, sweep=_sweep,
                             known_limitations=(CANCELLING_TERMS, OVERFLOWING_SCORES,
-                                               SUBNORMAL_MEANS)))
+                                               SUBNORMAL_MEANS)),
+    bench=BenchSpec(shapes=((4, 32, 1024, 128), (4, 32, 4096, 128), (4, 16, 4096, 64)),
+                    cpu_shapes=((1, 4, 128, 64), (1, 4, 512, 64)), case=_bench_case,
+                    metric="TFLOP/s"))
 
 
 def _check_backward(inputs: Specs, attrs: Attrs) -> None:

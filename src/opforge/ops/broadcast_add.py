@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from opforge.core.errors import ShapeError
-from opforge.core.opdef import Attr, Attrs, Case, PrecisionSpec, Specs, TensorArg
+from opforge.core.opdef import Attr, Attrs, BenchSpec, Case, PrecisionSpec, Specs, TensorArg
 from opforge.core.shapes import broadcast_shapes, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops._elementwise import (
@@ -88,7 +88,7 @@ BROADCAST_ADD = elementwise_op(
     (TensorArg("a"), TensorArg("b")), _samples,
     attrs=(Attr("alpha", "float", 1.0, doc="multiplier of b"),),
     flops_per_element=2, infer_shape=_infer_shape, check=_check,
-    precision=PrecisionSpec("absolute", peer=_torch_add, sweep=_sweep),
+    precision=PrecisionSpec("absolute", peer=_torch_add, sweep=_sweep), bench=BenchSpec(),
 )
 
 

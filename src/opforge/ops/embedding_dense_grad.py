@@ -41,6 +41,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     OpDef,
@@ -199,6 +200,16 @@ def _torch_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_wei
                                                    padding_idx, scale_grad_by_freq)
 
 
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """``shape = (positions, D, V)``: a gradient of ``(positions, D)`` over a table of V
+    rows, Zipf-distributed token ids (as text has), the atomic kernel."""
+    positions, width, rows = shape
+    grad = generate("normal", (positions, width), dtype, device=device, generator=generator)
+    indices = zipf_indices((positions,), rows, generator).to(device)
+    return Case("zipf", (grad, indices), {"num_weights": rows, "deterministic": False})
+
+
 EMBEDDING_DENSE_GRAD = OpDef(
     name=NAME, doc="Embedding table gradient (aten.embedding_dense_backward): atomic or "
                    "sort-based deterministic accumulation in float32.",
@@ -215,7 +226,9 @@ EMBEDDING_DENSE_GRAD = OpDef(
     tiling=_tiling, grid=_grid, workspace=_workspace, samples=_samples,
     error_scale=_sum_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_embedding_backward,
-                            sweep=_sweep, known_limitations=(OVERFLOWING_ROW_SUM,)))
+                            sweep=_sweep, known_limitations=(OVERFLOWING_ROW_SUM,)),
+    bench=BenchSpec(shapes=((4096, 4096, 128256), (16384, 4096, 128256)),
+                    cpu_shapes=((1024, 256, 32000), (4096, 256, 32000)), case=_bench_case))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opforge.core.opdef import Attr, Case, KnownLimitation, PrecisionSpec, TensorArg
+from opforge.core.opdef import Attr, BenchSpec, Case, KnownLimitation, PrecisionSpec, TensorArg
 from opforge.library import register_op
 from opforge.ops._elementwise import (
     elementwise_op,
@@ -116,6 +116,7 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 GELU = elementwise_op(
     "gelu", "x * Phi(x) (erf form, accurate in the tails) or the tanh approximation.",
     (TensorArg("x"),), _samples, attrs=(APPROXIMATE,), flops_per_element=30, temporaries=8,
+    bench=BenchSpec(),
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_gelu, sweep=_sweep, known_limitations=(
         KnownLimitation(
             "float32 erf-form GELU stays within a few ulp of the golden but is not correctly "

@@ -30,6 +30,7 @@ from opforge.core.opdef import (
     Attr,
     Attrs,
     AutocastPolicy,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -43,6 +44,7 @@ from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops import _norm as norm
 from opforge.ops._elementwise import random_input
+from opforge.ops._liger import liger_peer
 from opforge.ops._rows import (
     CANCELLING_GRADIENT,
     OVERFLOWING_ROW_SUM,
@@ -290,7 +292,9 @@ LAYER_NORM = OpDef(
     error_scale=_error_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_layer_norm, sweep=_sweep,
                             known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_SQUARES,
-                                               CANCELLING_MEAN)))
+                                               CANCELLING_MEAN)),
+    bench=BenchSpec(peers={"Liger-Kernel": liger_peer(
+        "layer_norm", "LigerLayerNormFunction", lambda case: (*case.inputs, EPS.default))}))
 
 LAYER_NORM_BACKWARD = OpDef(
     name="layer_norm_backward", doc="(grad_x, grad_weight, grad_bias) of layer_norm from its "

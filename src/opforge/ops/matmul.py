@@ -30,6 +30,7 @@ from opforge.core.opdef import (
     Attr,
     Attrs,
     AutocastPolicy,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -190,6 +191,14 @@ def _torch_matmul(a: torch.Tensor, b: torch.Tensor, allow_tf32: bool) -> torch.T
     return torch.matmul(a, b)
 
 
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """Square products ``(n, n) @ (n, n)``: n is the shape's only size."""
+    (n,) = shape
+    return Case("", (generate("normal", (n, n), dtype, device=device, generator=generator),
+                     generate("normal", (n, n), dtype, device=device, generator=generator)))
+
+
 MATMUL = OpDef(
     name=NAME, doc="a @ b with torch.matmul's rules, float32 accumulation.",
     inputs=(TensorArg("a"), TensorArg("b")), outputs=(OutputArg("out"),),
@@ -202,7 +211,9 @@ MATMUL = OpDef(
             "Dot products accumulate in float32: partial sums of products near float32's "
             "maximum overflow to Inf although the exact result is finite; torch.matmul's "
             "float32 accumulation overflows alike.", case="large_*", failures="*NaN/Inf*"),
-    )))
+    )),
+    bench=BenchSpec(shapes=((2048,), (4096,), (8192,)), cpu_shapes=((256,), (512,), (1024,)),
+                    case=_bench_case, metric="TFLOP/s"))
 
 
 # ---------------------------------------------------------------------------------------------

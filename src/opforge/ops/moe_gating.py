@@ -39,6 +39,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     OpDef,
@@ -249,6 +250,16 @@ def _torch_gating(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: i
     return (weights * routed_scaling_factor).to(x.dtype), idx.int(), out
 
 
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """DeepSeek-V3 routing of ``shape = (tokens, experts)`` logits: sigmoid scores with a
+    bias, top-8 within the best 4 of 8 groups, renormalised."""
+    x = generate("normal", shape, dtype, device=device, generator=generator)
+    bias = generate("normal", shape[-1:], dtype, device=device, generator=generator) * 0.1
+    return Case("deepseek_v3", (x, bias), {"k": 8, "k_group": 4, "group_count": 8,
+                                           "group_select_mode": 1, "norm_type": 1})
+
+
 MOE_GATING_TOP_K = OpDef(
     name=NAME, doc="MoE routing: softmax/sigmoid scores, group-limited top-k with a "
                    "selection-only bias, CANN's renormalisation (y, expert_idx, out).",
@@ -259,7 +270,9 @@ MOE_GATING_TOP_K = OpDef(
     attrs=GATING_ATTRS, infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check,
     cost=_cost, tiling=_tiling, grid=_grid, samples=_samples, error_scale=_weights_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_gating, sweep=_sweep,
-                            known_limitations=(SHARED_ROW_STATISTIC,)))
+                            known_limitations=(SHARED_ROW_STATISTIC,)),
+    bench=BenchSpec(shapes=((128, 256), (4096, 256), (16384, 256)),
+                    cpu_shapes=((128, 256), (1024, 256)), case=_bench_case))
 
 
 def _check_softmax(inputs: Specs, attrs: Attrs) -> None:

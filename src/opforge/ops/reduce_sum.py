@@ -22,6 +22,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -203,6 +204,7 @@ REDUCE_SUM = OpDef(
     workspace=_workspace,
     error_scale=_sum_abs_scale,
     samples=_samples,
+    bench=BenchSpec(),
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_sum, sweep=_sweep, known_limitations=(
         KnownLimitation(
             "Sums accumulate in float32: when a partial sum of near-overflow terms passes "

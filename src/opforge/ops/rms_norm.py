@@ -30,6 +30,7 @@ from opforge.core.opdef import (
     Attr,
     Attrs,
     AutocastPolicy,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -43,6 +44,7 @@ from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank
 from opforge.library import register_op
 from opforge.ops import _norm as norm
 from opforge.ops._elementwise import random_input
+from opforge.ops._liger import liger_peer
 from opforge.ops._rows import (
     CANCELLING_GRADIENT,
     OVERFLOWING_ROW_SUM,
@@ -243,7 +245,9 @@ RMS_NORM = OpDef(
     grid=norm.grid(_geometry), samples=_samples, autocast=AutocastPolicy.FP32,
     error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm, sweep=_sweep(False),
-                            known_limitations=(SHARED_ROW_STATISTIC,)))
+                            known_limitations=(SHARED_ROW_STATISTIC,)),
+    bench=BenchSpec(peers={"Liger-Kernel": liger_peer(
+        "rms_norm", "LigerRMSNormFunction", lambda case: (*case.inputs, EPS.default))}))
 
 ADD_RMS_NORM = OpDef(
     name="add_rms_norm", doc="s = x + residual; (s * rstd * weight, rstd, s), one read each.",
@@ -255,7 +259,8 @@ ADD_RMS_NORM = OpDef(
     tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry), samples=_add_samples,
     autocast=AutocastPolicy.FP32, error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_add_rms_norm,
-                            sweep=_sweep(True), known_limitations=(SHARED_ROW_STATISTIC,)))
+                            sweep=_sweep(True), known_limitations=(SHARED_ROW_STATISTIC,)),
+    bench=BenchSpec())
 
 RMS_NORM_BACKWARD = OpDef(
     name="rms_norm_backward", doc="(grad_x, grad_weight) of rms_norm from its saved rstd.",

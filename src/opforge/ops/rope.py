@@ -35,6 +35,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -259,7 +260,7 @@ ROPE = OpDef(
     infer_dtype=_infer_dtype, check=_check("rope", "x"), cost=_cost, tiling=_tiling,
     grid=_grid, samples=_samples, error_scale=_rotation_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_rope, sweep=_sweep,
-                            known_limitations=(FUSED_ROTATION,)))
+                            known_limitations=(FUSED_ROTATION,)), bench=BenchSpec())
 
 ROPE_BACKWARD = OpDef(
     name="rope_backward", doc="The transpose of rope: dx from the output gradient.",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from opforge.core.opdef import Case, PrecisionSpec, TensorArg
+from opforge.core.opdef import BenchSpec, Case, PrecisionSpec, TensorArg
 from opforge.library import register_op
 from opforge.ops._elementwise import (
     elementwise_op,
@@ -77,7 +77,8 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 SIGMOID = elementwise_op("sigmoid", "1 / (1 + exp(-x)), overflow-free for any |x|.",
                          (TensorArg("x"),), _samples, flops_per_element=4,
-                         precision=PrecisionSpec("benchmark_ratio", "L0", _torch_sigmoid))
+                         precision=PrecisionSpec("benchmark_ratio", "L0", _torch_sigmoid),
+                         bench=BenchSpec())
 
 SIGMOID_BACKWARD = elementwise_op(
     "sigmoid_backward", "grad * y * (1 - y), from the forward output y.",

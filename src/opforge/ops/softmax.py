@@ -37,6 +37,7 @@ from opforge.core.opdef import (
     Attr,
     Attrs,
     AutocastPolicy,
+    BenchSpec,
     Case,
     Cost,
     OpDef,
@@ -57,6 +58,7 @@ from opforge.core.tiling import (
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import INT32_LIMIT, random_input, same_dtype, same_shape_pair
+from opforge.ops._liger import liger_peer
 from opforge.ops._rows import OVERFLOWING_ROW_SUM, SHARED_ROW_STATISTIC
 from opforge.precision.cases import generate
 
@@ -289,7 +291,8 @@ def _torch_log_softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int
 
 
 
-def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor]) -> OpDef:
+def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
+                   bench: BenchSpec) -> OpDef:
     return OpDef(
         name=name, doc=doc, inputs=(TensorArg("x"),), outputs=(OutputArg("out"),),
         attrs=(DIM,), infer_shape=_infer_shape, infer_dtype=same_dtype, check=_check(name),
@@ -297,7 +300,7 @@ def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Ten
         workspace=_workspace(name, 2), samples=_samples, autocast=AutocastPolicy.FP32,
         error_scale=_softmax_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep,
-                                known_limitations=(SHARED_ROW_STATISTIC,)))
+                                known_limitations=(SHARED_ROW_STATISTIC,)), bench=bench)
 
 
 def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
@@ -315,9 +318,11 @@ def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Te
 
 
 SOFTMAX = _forward_opdef("softmax", False, "exp(x - max) / sum(exp(x - max)) over dim, "
-                         "float32 statistics.", _torch_softmax)
+                         "float32 statistics.", _torch_softmax, BenchSpec(peers={
+                             "Liger-Kernel": liger_peer("softmax", "LigerSoftmaxFunction",
+                                                        lambda case: case.inputs[:1])}))
 LOG_SOFTMAX = _forward_opdef("log_softmax", True, "x - max - log(sum(exp(x - max))) over "
-                             "dim, float32 statistics.", _torch_log_softmax)
+                             "dim, float32 statistics.", _torch_log_softmax, BenchSpec())
 SOFTMAX_BACKWARD = _backward_opdef("softmax_backward", False,
                                    "y * (grad - sum(grad * y)) from the softmax output y.",
                                    _torch_softmax_backward, _backward_samples)

@@ -1,4 +1,5 @@
-"""What every benchmark writes: the run's environment, and its CSV + Markdown results."""
+"""What every benchmark writes: the run's environment, and its CSV + Markdown results
+(``opforge bench`` and the scripts under ``benchmarks/``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,392 @@
+"""From a torch.profiler (Kineto) trace to opforge's three layers, kernels, operators, steps.
+
+The trace is the Chrome-format JSON that ``export_chrome_trace`` writes: complete events
+(``"ph": "X"``) with a category. opforge sorts them into layers:
+
+- **framework**: Python functions (``with_stack``), ``nn.Module`` scopes, profiler steps and
+  other ``record_function`` annotations;
+- **operators**: torch's operators (``cpu_op``) and opforge's (the ``opforge::<op>#<n>``
+  annotation that `Plan.run` leaves, merged into the dispatcher's ``opforge::<op>`` event
+  when the call came through ``torch.ops``), with the plan's record: shapes, dtypes,
+  backend, tiling, grid and cost;
+- **runtime**: kernel launches (``cuda_runtime``, ``cuda_driver``);
+- **kernels**: device kernels and copies. A kernel belongs to the operator that launched it
+  (its ``External id``, else its launch's ``correlation``). On a machine without device
+  kernels (the CPU), the operator calls are the kernels: each outermost operator that calls
+  no opforge operator, and each opforge operator that calls no other one.
+
+Host events nest by time on their thread. Times are microseconds since the first event.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opforge.profiler.costs import TORCH_DTYPE_NAMES, aten_cost
+from opforge.profiler.tables import KernelRow, OperatorRow, StepRow
+
+OPFORGE_PREFIX = "opforge::"
+_SEQUENCED = re.compile(r"^(opforge::[\w.]+)#(\d+)$")
+_KERNEL_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+_RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver", "runtime"}
+_COMMUNICATION = re.compile(r"nccl|gloo|hccl|c10d|all_?reduce|all_?gather|reduce_?scatter|"
+                            r"all_?to_?all|broadcast_|send|recv", re.IGNORECASE)
+_WRAPPERS = ("autograd::", "torch::autograd", "Optimizer.")
+
+
+@dataclass(eq=False)
+class Event:
+    """One complete event of the trace, placed in its layer and in the host call tree."""
+
+    name: str
+    cat: str
+    ts: float
+    dur: float
+    pid: Any
+    tid: Any
+    args: dict[str, Any]
+    layer: str
+    parent: Event | None = None
+    children: list[Event] = field(default_factory=list)
+    record: Mapping[str, Any] | None = None
+    kernels: list[Event] = field(default_factory=list)
+    owner: Event | None = None
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+    def ancestors(self) -> Iterable[Event]:
+        node = self.parent
+        while node is not None:
+            yield node
+            node = node.parent
+
+    def subtree(self) -> Iterable[Event]:
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children)
+
+
+def _layer(event: Mapping[str, Any]) -> str:
+    cat = str(event.get("cat", "")).lower()
+    name = str(event.get("name", ""))
+    if cat in _KERNEL_CATEGORIES:
+        return "kernel"
+    if cat in _RUNTIME_CATEGORIES:
+        return "runtime"
+    if cat == "cpu_op" or (cat == "user_annotation" and name.startswith(OPFORGE_PREFIX)):
+        return "operator"
+    return "framework"
+
+
+def _nest(events: Sequence[Event]) -> None:
+    """Parent links by time containment on each host thread."""
+    threads: dict[tuple[Any, Any], list[Event]] = {}
+    for event in events:
+        threads.setdefault((event.pid, event.tid), []).append(event)
+    for thread in threads.values():
+        thread.sort(key=lambda e: (e.ts, -e.dur))
+        stack: list[Event] = []
+        for event in thread:
+            while stack and event.ts >= stack[-1].end - 1e-6:
+                stack.pop()
+            if stack:
+                event.parent = stack[-1]
+                stack[-1].children.append(event)
+            stack.append(event)
+
+
+def _operator_parent(event: Event) -> Event | None:
+    return next((a for a in event.ancestors() if a.layer == "operator"), None)
+
+
+@dataclass
+class Timeline:
+    """A parsed profile: every event by layer, and the kernels with their owners."""
+
+    events: list[Event]
+    kernels: list[Event]
+    device_kernels: bool
+
+    @property
+    def operators(self) -> list[Event]:
+        return [e for e in self.events if e.layer == "operator"]
+
+    @property
+    def steps(self) -> list[Event]:
+        return sorted((e for e in self.events if e.layer == "framework"
+                       and e.name.startswith("ProfilerStep#")), key=lambda e: e.ts)
+
+
+def parse(traces: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str, Any]]
+          ) -> Timeline:
+    """Build the `Timeline` of one or more Kineto traces (in time order).
+
+    Args:
+        traces: the loaded JSON of ``export_chrome_trace`` files.
+        records: opforge's plan records by sequence number (the ``#n`` of an
+            ``opforge::<op>#n`` annotation).
+    """
+    raw = [e for trace in traces for e in trace.get("traceEvents", [])
+           if e.get("ph") == "X" and isinstance(e.get("ts"), int | float)
+           and e.get("cat") != "Trace"]
+    start = min((float(e["ts"]) for e in raw), default=0.0)
+    events = [Event(str(e.get("name", "")), str(e.get("cat", "")), float(e["ts"]) - start,
+                    float(e.get("dur", 0.0)), e.get("pid"), e.get("tid"),
+                    dict(e.get("args") or {}), _layer(e)) for e in raw]
+    for event in events:
+        match = _SEQUENCED.match(event.name)
+        if match:
+            event.name = match.group(1)
+            event.record = records.get(int(match.group(2)))
+    host = [e for e in events if e.layer != "kernel"]
+    _nest(host)
+    by_external: dict[Any, Event] = {}
+    for event in host:
+        external = event.args.get("External id")
+        if external is not None and event.layer in ("operator", "framework"):
+            by_external.setdefault(external, event)
+    events = _merge_annotations(events, by_external)
+    device = [e for e in events if e.layer == "kernel"]
+    if device:
+        _own_device_kernels(device, events, by_external)
+        kernels = device
+    else:
+        kernels = _cpu_kernels(events)
+    for kernel in kernels:
+        if kernel.owner is not None:
+            kernel.owner.kernels.append(kernel)
+    return Timeline(events, sorted(kernels, key=lambda k: k.ts), bool(device))
+
+
+def _is_wrapper(event: Event) -> bool:
+    """Autograd nodes, custom-op autograd shims and optimizer steps: operator events that
+    only call other operators (their names have no ``namespace::``)."""
+    return event.name.startswith(_WRAPPERS) or "::" not in event.name
+
+
+def _merge_annotations(events: list[Event], by_external: dict[Any, Event]) -> list[Event]:
+    """Fold each ``opforge::<op>#n`` annotation into the dispatcher's ``opforge::<op>``
+    event around it (through autograd shims): one operator, carrying the plan's record."""
+    dropped = set()
+    for event in events:
+        if event.record is None or event.cat != "user_annotation":
+            continue
+        target = event.parent
+        while target is not None and target.layer == "operator" and _is_wrapper(target):
+            target = target.parent
+        if (target is None or target.layer != "operator" or target.name != event.name
+                or target.record is not None):
+            continue
+        target.record = event.record
+        parent = event.parent
+        assert parent is not None
+        parent.children.remove(event)
+        for child in event.children:
+            child.parent = parent
+            parent.children.append(child)
+        external = event.args.get("External id")
+        if external is not None:
+            by_external[external] = parent if parent.layer == "operator" else target
+        dropped.add(id(event))
+    return [e for e in events if id(e) not in dropped]
+
+
+def _own_device_kernels(kernels: Sequence[Event], events: Sequence[Event],
+                        by_external: Mapping[Any, Event]) -> None:
+    launches = {e.args.get("correlation"): e for e in events
+                if e.layer == "runtime" and e.args.get("correlation") is not None}
+    for kernel in kernels:
+        origin = by_external.get(kernel.args.get("External id"))
+        if origin is None:
+            launch = launches.get(kernel.args.get("correlation"))
+            origin = launch.parent if launch is not None else None
+        if origin is not None and origin.layer != "operator":
+            origin = _operator_parent(origin)
+        kernel.owner = origin
+
+
+def _has_opforge_below(event: Event) -> bool:
+    return any(e.record is not None for e in event.subtree() if e is not event)
+
+
+def _cpu_kernels(events: Sequence[Event]) -> list[Event]:
+    """On the CPU, each outermost operator that calls no opforge operator is a kernel, and
+    so is each opforge operator that calls no other one; wrappers (autograd nodes, optimizer
+    steps) are looked through."""
+    kernels: list[Event] = []
+
+    def visit(event: Event) -> None:
+        if (event.layer == "operator" and not _is_wrapper(event)
+                and not _has_opforge_below(event)):
+            kernel = Event(event.name, event.cat, event.ts, event.dur, event.pid, event.tid,
+                           event.args, "kernel", record=event.record, owner=event)
+            kernels.append(kernel)
+            return
+        for child in event.children:
+            visit(child)
+
+    for event in events:
+        if event.parent is None and event.layer != "kernel":
+            visit(event)
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows of the report files
+
+
+def _shape_text(shapes: Iterable[Sequence[int]]) -> str:
+    return ";".join(",".join(str(d) for d in shape) for shape in shapes)
+
+
+def _recorded_tensors(event: Event) -> tuple[list[list[int]], list[str]]:
+    dims = event.args.get("Input Dims") or []
+    types = event.args.get("Input type") or []
+    chosen = [(list(d), TORCH_DTYPE_NAMES[t]) for d, t in zip(dims, types)
+              if t in TORCH_DTYPE_NAMES]
+    return [d for d, _ in chosen], [t for _, t in chosen]
+
+
+def _cost(event: Event) -> tuple[float, float, str] | None:
+    """(FLOPs, bytes, output shapes) of an operator call, when known."""
+    if event.record is not None:
+        return (float(event.record["flops"]), float(event.record["bytes"]),
+                _shape_text(o["shape"] for o in event.record["outputs"]))
+    cost = aten_cost(event.name, event.args.get("Input Dims") or [],
+                     event.args.get("Input type") or [], event.args.get("Concrete Inputs") or [])
+    if cost is None:
+        return None
+    return cost.flops, cost.bytes_moved, _shape_text(cost.output_shapes)
+
+
+def _inputs(event: Event) -> tuple[str, str]:
+    if event.record is not None:
+        inputs = [i for i in event.record["inputs"] if i is not None]
+        return (_shape_text(i["shape"] for i in inputs),
+                ";".join(i["dtype"] for i in inputs))
+    dims, types = _recorded_tensors(event)
+    return _shape_text(dims), ";".join(types)
+
+
+def _kernel_count(event: Event) -> int:
+    return sum(len(e.kernels) for e in event.subtree())
+
+
+def kernel_rows(timeline: Timeline, core: str) -> list[KernelRow]:
+    """`KernelRow`s in time order, with the wait since the previous kernel on the stream.
+
+    A kernel gets a cost from the nearest operator around it that has one (opforge's
+    record, or a cost derived for torch's operator), when that operator launched only this
+    kernel."""
+    rows = []
+    last_end: dict[Any, float] = {}
+    for kernel in timeline.kernels:
+        costed = None
+        for op in ([kernel.owner, *kernel.owner.ancestors()] if kernel.owner else []):
+            if op.layer == "operator" and _cost(op) is not None:
+                costed = op
+                break
+        cost = _cost(costed) if costed is not None and _kernel_count(costed) == 1 else None
+        describing = costed or kernel.owner
+        shapes, dtypes = _inputs(describing) if describing is not None else ("", "")
+        grid = kernel.args.get("grid")
+        if grid is not None:
+            blocks: int | None = math.prod(int(g) for g in grid)
+        elif kernel.record is not None and kernel.record["backend"] != "torch":
+            blocks = math.prod(kernel.record["grid"]) if kernel.record["grid"] else None
+        else:
+            blocks = None
+        stream = (kernel.pid, kernel.tid)
+        wait = max(0.0, kernel.ts - last_end[stream]) if stream in last_end else 0.0
+        last_end[stream] = max(last_end.get(stream, 0.0), kernel.end)
+        rows.append(KernelRow(
+            kernel.name, kernel.owner.name if kernel.owner is not None else kernel.name, core,
+            kernel.ts, kernel.dur, wait, blocks, shapes, dtypes, cost[2] if cost else "",
+            cost[0] if cost else None, cost[1] if cost else None))
+    return rows
+
+
+def _call_stack(event: Event) -> str:
+    frames = [a.name for a in event.ancestors()
+              if a.layer == "framework" and not a.name.startswith("ProfilerStep#")]
+    return ";".join(reversed(frames))
+
+
+def operator_rows(timeline: Timeline) -> list[OperatorRow]:
+    """One `OperatorRow` per operator call, in time order."""
+    rows = []
+    for op in sorted(timeline.operators, key=lambda e: e.ts):
+        children = sum(c.dur for c in op.children if c.layer in ("operator", "runtime"))
+        device_self = sum(k.dur for k in op.kernels)
+        device_total = sum(k.dur for e in op.subtree() for k in e.kernels)
+        cost = _cost(op)
+        record = op.record or {}
+        shapes, _ = _inputs(op)
+        rows.append(OperatorRow(
+            op.name, shapes, _call_stack(op), max(0.0, op.dur - children), op.dur,
+            device_self, device_total, record.get("backend", ""), record.get("tiling", ""),
+            "x".join(str(g) for g in record.get("grid", ())), cost[0] if cost else None,
+            cost[1] if cost else None))
+    return rows
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in intervals)
+
+
+def _clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float
+          ) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def step_rows(timeline: Timeline) -> list[StepRow]:
+    """The time split of each profiler step (the whole profile when it has no steps):
+    kernel time, communication time, their overlap and the time no kernel runs."""
+    spans = [(s.name.removeprefix("ProfilerStep#"), s.ts, s.end) for s in timeline.steps
+             if any(s.ts <= k.ts < s.end for k in timeline.kernels)]
+    if not spans:
+        end = max((e.end for e in timeline.events), default=0.0)
+        spans = [("0", 0.0, end)]
+    rows = []
+    for name, lo, hi in spans:
+        compute = _union(_clip(((k.ts, k.end) for k in timeline.kernels
+                                if not _COMMUNICATION.search(k.name)), lo, hi))
+        comm = _union(_clip(((k.ts, k.end) for k in timeline.kernels
+                             if _COMMUNICATION.search(k.name)), lo, hi))
+        busy = _length(_union([*compute, *comm]))
+        overlapped = _length(compute) + _length(comm) - busy
+        first = min((a for a, _ in [*compute, *comm]), default=hi)
+        rows.append(StepRow(name, _length(compute), _length(comm) - overlapped, overlapped,
+                            _length(comm), hi - lo - busy, hi - lo, 0.0, first - lo))
+    return rows
+
+
+def load_traces(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Load Kineto traces; an unreadable file raises `ValueError` naming it."""
+    traces = []
+    for path in paths:
+        try:
+            traces.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the profiler trace {path}: {error}") from error
+    return traces
