@@ -18,11 +18,11 @@ run: $(STAMP)
 	$(BIN)/opforge verify --report reports/verify
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n 2 -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 certificate: $(STAMP)
 	$(BIN)/opforge verify --report reports/verify --certificate docs/precision-certificate.md

@@ -317,7 +317,12 @@ def cmd_analyse(args: argparse.Namespace) -> int:
     from opforge.core.hardware import get_profile
     from opforge.profiler import analyse
 
-    report = analyse(args.directory, get_profile(args.hardware) if args.hardware else None)
+    try:
+        report = analyse(args.directory,
+                         get_profile(args.hardware) if args.hardware else None)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
     report.print_summary(console, top=args.top)
     return 0
 

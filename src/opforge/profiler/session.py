@@ -57,6 +57,16 @@ def _activities(module: Any, device: str) -> list[Any]:
     return chosen
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the profiler's warnings about what the session does on purpose: a whole-run
+    schedule has no warm-up, and each cycle's events are saved when the cycle ends."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*warmup.*")
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
+        yield
+
+
 def _tensor_record(spec: Any) -> dict[str, Any] | None:
     if spec is None:
         return None
@@ -140,8 +150,9 @@ class Profile:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for stale in (self.out_dir / RAW_DIR).glob("trace_*.json"):
             stale.unlink()
-        schedule = self._schedule or self._module.schedule(wait=0, warmup=0,
-                                                           active=1 << 30)
+        with _quiet():
+            schedule = self._schedule or self._module.schedule(wait=0, warmup=0,
+                                                               active=1 << 30)
         self._profiler = self._module.profile(
             activities=_activities(self._module, self._device), schedule=schedule,
             on_trace_ready=self._save_trace, record_shapes=self._record_shapes,
@@ -152,20 +163,20 @@ class Profile:
             self._handles = [hooks.register_module_forward_pre_hook(self._enter_module),
                              hooks.register_module_forward_hook(self._exit_module,
                                                                 always_call=True)]
-        with warnings.catch_warnings():
-            # A schedule without warmup is what a whole-run profile asks for.
-            warnings.filterwarnings("ignore", message=".*warmup.*")
+        with _quiet():
             self._profiler.__enter__()
         return self
 
     def step(self) -> None:
         """Mark the end of a training step (advances the schedule)."""
-        self._profiler.step()
+        with _quiet():
+            self._profiler.step()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         try:
-            self._profiler.__exit__(kind, error, trace)
+            with _quiet():
+                self._profiler.__exit__(kind, error, trace)
         finally:
             plan_module.set_run_observer(self._previous_observer)
             for handle in self._handles:

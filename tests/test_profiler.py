@@ -1,0 +1,452 @@
+"""The profiler: costs, verdicts, the trace model, the report files, the commands."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import opforge
+from opforge import cli
+from opforge.core import plan as plan_module
+from opforge.core.hardware import HardwareProfile, get_profile
+from opforge.profiler import analyse, bench, report, roofline, tables, timeline
+from opforge.profiler.costs import aten_cost
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformer_block.py"
+# A device with round ceilings: 1 TB/s, 100 TFLOP/s in fp32 and 400 in bf16, 10 cores.
+TOY = HardwareProfile("toy", "cuda", 1e12, {torch.float32: 100e12, torch.bfloat16: 400e12},
+                      onchip_bytes=1 << 16, core_count=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts on kernels of known cost and time
+
+
+@pytest.mark.parametrize(("flops", "moved", "bound", "pct"), [
+    (90e12 * 1e-3, 1e6, roofline.COMPUTE, 90.0),       # 90% of 100 TFLOP/s
+    (1e6, 0.85e12 * 1e-3, roofline.MEMORY, 85.0),      # 85% of 1 TB/s
+    (50e12 * 1e-3, 0.5e12 * 1e-3, roofline.LATENCY, 50.0),
+    (80e12 * 1e-3, 0.0, roofline.COMPUTE, 80.0),       # the threshold itself is bound
+    (79e12 * 1e-3, 0.79e12 * 1e-3, roofline.LATENCY, 79.0),
+])
+def test_verdicts_of_synthetic_kernels(flops, moved, bound, pct):
+    verdict = roofline.judge(flops, moved, 1e-3, TOY, torch.float32)
+    assert verdict.bound == bound
+    assert verdict.roofline_pct == pytest.approx(pct)
+    assert verdict.tflops == pytest.approx(flops / 1e-3 / 1e12)
+    assert verdict.gbs == pytest.approx(moved / 1e-3 / 1e9)
+
+
+def test_verdict_uses_the_roof_of_the_dtype_and_refuses_unknown_costs():
+    flops = 200e12 * 1e-3
+    assert roofline.judge(flops, 1.0, 1e-3, TOY, torch.float32).bound == roofline.COMPUTE
+    bf16 = roofline.judge(flops, 1.0, 1e-3, TOY, torch.bfloat16)
+    assert bf16.bound == roofline.LATENCY and bf16.roofline_pct == pytest.approx(50.0)
+    assert bf16.ridge == pytest.approx(400.0)
+    assert roofline.judge(None, 1.0, 1e-3, TOY).bound == roofline.UNKNOWN
+    assert roofline.judge(1.0, 1.0, 0.0, TOY).bound == roofline.UNKNOWN
+
+
+def test_advice_names_the_cause():
+    def advise(flops, moved, seconds, blocks=None):
+        verdict = roofline.judge(flops, moved, seconds, TOY)
+        return roofline.advice(verdict, TOY, seconds * 1e6, blocks)
+
+    assert "launch-bound" in advise(1e3, 1e3, 2e-6)
+    assert "4 blocks on 10 cores" in advise(1e6, 1e6, 1e-3, blocks=4)
+    assert "bandwidth" in advise(1e3, 0.3e12 * 1e-3, 1e-3, blocks=1000)
+    assert "compute roof" in advise(30e12 * 1e-3, 1e3, 1e-3, blocks=1000)
+    assert "moves no data" in advise(0.0, 0.0, 1e-3)
+    assert "at 90% of the compute roof" in advise(90e12 * 1e-3, 1e3, 1e-3)
+    assert "no cost known" in roofline.advice(roofline.Verdict(roofline.UNKNOWN), TOY, 5.0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs of torch's operators
+
+
+@pytest.mark.parametrize(("name", "dims", "types", "concrete", "flops", "moved", "out"), [
+    ("aten::mm", [[64, 32], [32, 16]], ["float", "float"], [], 2 * 64 * 32 * 16,
+     4 * (64 * 32 + 32 * 16 + 64 * 16), (64, 16)),
+    ("aten::addmm", [[16], [8, 4], [4, 16]], ["c10::BFloat16"] * 3, [], 2 * 8 * 4 * 16,
+     2 * (16 + 32 + 64 + 128), (8, 16)),
+    ("aten::bmm", [[3, 5, 7], [3, 7, 2]], ["float", "float"], [], 2 * 3 * 5 * 7 * 2,
+     4 * (105 + 42 + 30), (3, 5, 2)),
+    ("aten::matmul", [[2, 1, 5, 7], [3, 7, 4]], ["float", "float"], [], 2 * 6 * 5 * 7 * 4,
+     4 * (70 + 84 + 120), (2, 3, 5, 4)),
+    ("aten::matmul", [[7], [7, 4]], ["float", "float"], [], 2 * 4 * 7, 4 * (7 + 28 + 4), (4,)),
+    ("aten::linear", [[2, 9, 8], [5, 8], [5]], ["float"] * 3, [], 2 * 18 * 8 * 5,
+     4 * (144 + 40 + 5 + 90), (2, 9, 5)),
+    ("aten::conv2d", [[2, 4, 9, 9], [6, 2, 3, 3], [6], [], [], [], []], ["float"] * 3 + [""] * 4,
+     ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "2"], 2 * (2 * 6 * 5 * 5) * 2 * 9,
+     4 * (648 + 108 + 6 + 300), (2, 6, 5, 5)),
+    ("aten::add", [[4, 8], [8], []], ["float", "float", "Scalar"], [], 32, 4 * (32 + 8 + 32),
+     (4, 8)),
+    ("aten::where", [[4, 8], [4, 8], [4, 8]], ["bool", "float", "float"], [], 32,
+     32 + 4 * 64 + 4 * 32, (4, 8)),
+    ("aten::copy_", [[10], [10], []], ["float", "c10::Half", "Scalar"], [], 0, 40 + 20, (10,)),
+    ("aten::randn", [[], [], [], [], []], [""] * 5, ["[3, 5]", "", "", "", ""], 0, 60, (3, 5)),
+    ("aten::sum", [[6, 7], [], []], ["float", "", "Scalar"], [], 42, 4 * 42, None),
+    ("aten::embedding", [[100, 8], [3, 5]], ["float", "long int"], [], 0,
+     2 * 4 * 120 + 8 * 15, (3, 5, 8)),
+    ("aten::view", [[4, 4], []], ["float", ""], [], 0, 0, None),
+])
+def test_torch_operator_costs(name, dims, types, concrete, flops, moved, out):
+    cost = aten_cost(name, dims, types, concrete)
+    assert cost is not None
+    assert cost.flops == flops
+    assert cost.bytes_moved == moved
+    if out is not None:
+        assert cost.output_shapes == (out,)
+
+
+def test_unknown_and_transposed_operators_get_no_cost():
+    assert aten_cost("aten::nonzero", [[4]], ["float"]) is None
+    assert aten_cost("mylib::op", [[4]], ["float"]) is None
+    transposed = ["", "", "", "[1]", "[0]", "[1]", "True", "[0]", "1"]
+    assert aten_cost("aten::convolution", [[1, 2, 5], [2, 3, 3], [], [], [], [], [], [], []],
+                     ["float", "float"] + [""] * 7, transposed) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The trace model, on a synthetic GPU trace with known answers
+
+
+def _x(name, cat, ts, dur, tid=1, pid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": 1000 + ts, "dur": dur, "pid": pid,
+            "tid": tid, "args": args}
+
+
+def _gpu_trace():
+    """One step of 100 us: an opforge softmax (one kernel), an aten::mm (its kernel linked
+    by correlation only), an opforge attention_backward (two kernels) and an all-reduce on
+    another stream that overlaps them."""
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 100, **{"External id": 1}),
+        _x("opforge::softmax", "cpu_op", 5, 20, **{"External id": 10,
+                                                     "Input Dims": [[4, 256], []],
+                                                     "Input type": ["c10::BFloat16", "Scalar"]}),
+        _x("opforge::softmax#1", "user_annotation", 6, 18, **{"External id": 11}),
+        _x("cudaLaunchKernel", "cuda_runtime", 10, 5, correlation=100, **{"External id": 11}),
+        _x("aten::mm", "cpu_op", 30, 10, **{"External id": 12, "Input Dims": [[64, 32], [32, 16]],
+                                             "Input type": ["float", "float"]}),
+        _x("cudaLaunchKernel", "cuda_runtime", 32, 4, correlation=101),
+        _x("opforge::attention_backward", "cpu_op", 45, 20, **{"External id": 13}),
+        _x("opforge::attention_backward#2", "user_annotation", 46, 18, **{"External id": 14}),
+        _x("cudaLaunchKernel", "cuda_runtime", 47, 2, correlation=102, **{"External id": 14}),
+        _x("cudaLaunchKernel", "cuda_runtime", 50, 2, correlation=103, **{"External id": 14}),
+        _x("softmax_kernel", "kernel", 30, 10, tid=7, pid=0, correlation=100, grid=[4, 1, 1],
+           **{"External id": 11}),
+        _x("gemm", "kernel", 45, 20, tid=7, pid=0, correlation=101, grid=[2, 2, 1]),
+        _x("ncclKernel_AllReduce", "kernel", 60, 20, tid=8, pid=0, correlation=104),
+        _x("dq_kernel", "kernel", 70, 5, tid=7, pid=0, correlation=102, grid=[8, 1, 1],
+           **{"External id": 14}),
+        _x("dkdv_kernel", "kernel", 76, 6, tid=7, pid=0, correlation=103, grid=[8, 1, 1],
+           **{"External id": 14}),
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "ts": 900, "dur": 500,
+         "pid": "Spans", "tid": "PyTorch Profiler"},
+    ]
+    records = {
+        1: {"op": "softmax", "inputs": [{"shape": [4, 256], "dtype": "bfloat16"}],
+            "outputs": [{"shape": [4, 256], "dtype": "bfloat16"}], "backend": "triton",
+            "tiling": "row BLOCK=256", "grid": [4], "flops": 5120.0, "bytes": 4096.0},
+        2: {"op": "attention_backward", "inputs": [{"shape": [1, 2, 8, 16], "dtype": "float32"}],
+            "outputs": [{"shape": [1, 2, 8, 16], "dtype": "float32"}], "backend": "triton",
+            "tiling": "flash", "grid": [8], "flops": 1e6, "bytes": 1e5},
+    }
+    return {"traceEvents": events}, records
+
+
+def test_gpu_trace_kernels_are_owned_and_costed():
+    trace, records = _gpu_trace()
+    parsed = timeline.parse([trace], records)
+    assert parsed.device_kernels
+    rows = timeline.kernel_rows(parsed, "CUDA")
+    assert [r.name for r in rows] == ["softmax_kernel", "gemm", "ncclKernel_AllReduce",
+                                      "dq_kernel", "dkdv_kernel"]
+    softmax, gemm, nccl, dq, dkdv = rows
+    assert (softmax.type, softmax.flops, softmax.bytes_moved) == ("opforge::softmax", 5120, 4096)
+    assert (softmax.block_num, softmax.input_dtypes, softmax.start_us) == (4, "bfloat16", 30)
+    assert (gemm.type, gemm.flops) == ("aten::mm", 2 * 64 * 32 * 16)
+    assert gemm.bytes_moved == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+    assert gemm.block_num == 4 and gemm.input_shapes == "64,32;32,16"
+    # Two kernels share the operator's cost: neither gets it alone.
+    assert dq.type == dkdv.type == "opforge::attention_backward"
+    assert dq.flops is None and dkdv.flops is None
+    assert nccl.type == "ncclKernel_AllReduce" and nccl.flops is None
+    assert [r.wait_us for r in rows] == [0, 5, 0, 5, 1]
+
+
+def test_gpu_trace_operators_merge_the_plan_record():
+    trace, records = _gpu_trace()
+    operators = {o.name: o for o in timeline.operator_rows(timeline.parse([trace], records))}
+    assert set(operators) == {"opforge::softmax", "aten::mm", "opforge::attention_backward"}
+    softmax = operators["opforge::softmax"]
+    assert (softmax.backend, softmax.tiling, softmax.grid) == ("triton", "row BLOCK=256", "4")
+    assert softmax.device_self_us == 10 and softmax.host_total_us == 20
+    assert operators["opforge::attention_backward"].device_total_us == 11
+    assert operators["aten::mm"].device_self_us == 20
+
+
+def test_step_split_counts_overlap_once():
+    trace, records = _gpu_trace()
+    (step,) = timeline.step_rows(timeline.parse([trace], records))
+    # Compute: [30,40] [45,65] [70,75] [76,82] = 41 us; all-reduce [60,80] = 20 us, of
+    # which 14 us overlap compute; busy 47 us of the 100 us step; first kernel at 30 us.
+    assert step.step == "1"
+    assert step.computing == pytest.approx(41)
+    assert step.communication == pytest.approx(20)
+    assert step.overlapped == pytest.approx(14)
+    assert step.communication_not_overlapped == pytest.approx(6)
+    assert step.free == pytest.approx(53)
+    assert step.stage == pytest.approx(100)
+    assert step.preparing == pytest.approx(30)
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 20)), max_size=12))
+def test_interval_union_matches_a_pixel_count(spans):
+    intervals = [(float(a), float(a + d)) for a, d in spans]
+    covered = {t for a, d in spans for t in range(a, a + d)}
+    assert timeline._length(timeline._union(intervals)) == len(covered)
+
+
+def test_trace_view_is_a_valid_chrome_trace(tmp_path):
+    trace, records = _gpu_trace()
+    parsed = timeline.parse([trace], records)
+    rows = timeline.kernel_rows(parsed, "CUDA")
+    path = report.write_trace_view(tmp_path / "trace_view.json", parsed, rows, TOY)
+    _check_chrome_trace(json.loads(path.read_text()), kernels=5, flows=4)
+
+
+def _check_chrome_trace(data, kernels=None, flows=None):
+    events = data["traceEvents"]
+    timed = [e for e in events if e["ph"] != "M"]
+    stamps = [e["ts"] for e in timed]
+    assert all(isinstance(t, int | float) and not isinstance(t, bool) for t in stamps)
+    assert stamps == sorted(stamps) and min(stamps) >= 0
+    for event in timed:
+        assert {"name", "ph", "pid", "tid", "ts"} <= set(event)
+        if event["ph"] == "X":
+            assert isinstance(event["dur"], int | float) and event["dur"] >= 0
+    starts = {e["id"] for e in timed if e["ph"] == "s"}
+    finishes = {e["id"] for e in timed if e["ph"] == "f"}
+    assert starts == finishes and all(0 < i < 2**53 for i in starts)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"Python / framework", "Operators", "Kernels"} <= names
+    if kernels is not None:
+        assert sum(e.get("cat") == "kernel" for e in timed) == kernels
+    if flows is not None:
+        assert len(starts) == flows
+
+
+# ---------------------------------------------------------------------------------------------
+# A real CPU profile of a small model
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.weight = torch.nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return opforge.softmax(opforge.rms_norm(self.linear(x), self.weight), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    model, x = _Model(), torch.randn(16, 64)
+    with opforge.use_backend("torch"), opforge.profile(
+            out, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2)) as prof:
+        for _ in range(3):
+            model(x).sum().backward()
+            prof.step()
+    return out, prof
+
+
+def test_cpu_profile_writes_every_file(cpu_profile):
+    out, _ = cpu_profile
+    for name in report.FILES:
+        assert (out / name).stat().st_size > 0, name
+    headers = {"kernel_details.csv": tables.KERNEL_COLUMNS,
+               "operator_details.csv": tables.OPERATOR_COLUMNS,
+               "op_statistic.csv": tables.STATISTIC_COLUMNS,
+               "step_trace_time.csv": tables.STEP_COLUMNS}
+    for name, header in headers.items():
+        with (out / name).open(newline="") as handle:
+            rows = list(csv.reader(handle))
+        assert tuple(rows[0]) == header, name
+        assert len(rows) > 1, name
+    assert plan_module.set_run_observer(None) is None  # the session removed its observer
+
+
+def test_cpu_profile_content(cpu_profile):
+    out, prof = cpu_profile
+    result = prof.result
+    assert result is not None and result.meta.device == "cpu"
+    assert [s.step for s in result.steps] == ["1", "2"]  # the warm-up step is not recorded
+    rms = [k for k in result.kernels if k.type == "opforge::rms_norm"]
+    assert len(rms) == 2 and all(k.core == "CPU" for k in rms)
+    expected = opforge.plan("rms_norm", torch.randn(16, 64), torch.ones(64)).cost
+    assert all(k.flops == expected.flops and k.bytes_moved == expected.bytes_moved for k in rms)
+    assert rms[0].input_shapes == "16,64;64" and rms[0].output_shapes == "16,64;16"
+    assert all(k.verdict(result.hardware).bound != roofline.UNKNOWN for k in rms)
+    backward = [k for k in result.kernels if k.type == "opforge::softmax_backward"]
+    assert len(backward) == 2
+    linear = [k for k in result.kernels if k.type == "aten::linear"]
+    assert linear and linear[0].flops == 2 * 16 * 64 * 64
+    stats = result.by_type()
+    assert sum(s.ratio for s in stats) == pytest.approx(100, abs=0.1)
+    assert sum(s.count for s in stats) == len(result.kernels)
+    operators = [o for o in result.operators if o.name == "opforge::softmax"]
+    assert operators and operators[0].backend == "torch"
+    assert "nn.Module: _Model" in operators[0].call_stack
+    for step in result.steps:
+        assert step.computing + step.free == pytest.approx(step.stage, rel=1e-6)
+    _check_chrome_trace(json.loads((out / "trace_view.json").read_text()),
+                        kernels=len(result.kernels), flows=len(result.kernels))
+
+
+class _Sections(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.sections, self.sources, self.tags = [], [], set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.add(tag)
+        if tag == "section":
+            self.sections.append(attrs.get("id"))
+        for key in ("src", "href"):
+            if key in attrs:
+                self.sources.append(attrs[key])
+
+
+def test_html_report_is_self_contained(cpu_profile):
+    out, _ = cpu_profile
+    parser = _Sections()
+    parser.feed((out / "report.html").read_text())
+    assert parser.sections == ["summary", "steps", "top-kernels", "verdicts", "operators",
+                               "roofline", "advice"]
+    assert parser.sources and all(s.startswith("data:image/png;base64,")
+                                  for s in parser.sources)
+    assert "link" not in parser.tags and "script" not in parser.tags
+    text = (out / "report.html").read_text()
+    assert "opforge::rms_norm" in text and "latency-bound" in text
+
+
+def test_analyse_reads_a_profile_back(cpu_profile):
+    out, prof = cpu_profile
+    again = analyse(out)
+    assert len(again.kernels) == len(prof.result.kernels)
+    for mine, read in zip(prof.result.kernels, again.kernels):
+        assert (mine.name, mine.type, mine.flops, mine.bytes_moved, mine.block_num) == \
+            (read.name, read.type, read.flops, read.bytes_moved, read.block_num)
+        assert read.duration_us == pytest.approx(mine.duration_us, abs=1e-3)
+    assert [s.type for s in again.by_type()] == [s.type for s in prof.result.by_type()]
+    h100 = analyse(out, get_profile("h100"))
+    assert h100.hardware.name == "h100"
+    slower = {s.type: s.verdict.roofline_pct for s in h100.by_type()}
+    for stat in again.by_type():
+        if stat.verdict.roofline_pct:
+            assert slower[stat.type] < stat.verdict.roofline_pct
+
+
+def test_analyse_refuses_what_is_not_a_profile(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an opforge profile"):
+        analyse(tmp_path)
+    assert cli.main(["analyse", str(tmp_path)]) == 2
+
+
+def test_analyse_refuses_foreign_csv_columns(cpu_profile, tmp_path):
+    out, _ = cpu_profile
+    for name in ("profile_meta.json", "operator_details.csv", "step_trace_time.csv"):
+        (tmp_path / name).write_text((out / name).read_text())
+    (tmp_path / "kernel_details.csv").write_text("Name,Duration(us)\nk,1\n")
+    with pytest.raises(ValueError, match="columns of an opforge profile"):
+        analyse(tmp_path)
+
+
+def test_a_failing_block_writes_no_report_and_unhooks(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"), opforge.profile(tmp_path / "p"):
+        opforge.softmax(torch.randn(4, 4))
+        raise RuntimeError("boom")
+    assert not (tmp_path / "p" / "report.html").exists()
+    assert plan_module.set_run_observer(None) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands
+
+
+def test_profile_command_runs_a_script(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "prof"
+    argv = sys.argv
+    code = cli.main(["profile", "--out", str(out), "--", "python", str(EXAMPLE), "--steps",
+                     "2", "--seq", "16", "--dim", "32", "--heads", "2"])
+    assert code == 0 and sys.argv is argv
+    printed = capsys.readouterr().out
+    assert "step 1: loss" in printed and "Top kernels" in printed
+    result = analyse(out)
+    assert {"opforge::attention", "opforge::attention_backward", "opforge::matmul",
+            "opforge::rope", "opforge::rms_norm"} <= {k.type for k in result.kernels}
+    assert cli.main(["analyse", str(out), "--top", "3"]) == 0
+
+
+def test_profile_command_passes_the_exit_status(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert cli.main(["profile", "--out", str(tmp_path / "p"), "--", str(script)]) == 3
+    assert (tmp_path / "p" / "report.html").exists()
+    with pytest.raises(SystemExit, match="give the script"):
+        cli.main(["profile", "--out", str(tmp_path / "q"), "--", "python"])
+
+
+def test_bench_measures_opforge_against_torch(tmp_path):
+    results, files = bench.run(["softmax", "broadcast_add"], device="cpu", dtype=torch.float32,
+                               out_dir=tmp_path, shapes=[(8, 33), (32, 65)], compile=False,
+                               progress=False)
+    assert {(r.op, r.shape, r.impl) for r in results} == {
+        (op, shape, impl) for op in ("softmax", "broadcast_add") for shape in ("8x33", "32x65")
+        for impl in ("opforge", "torch")}
+    for r in results:
+        assert not r.error and r.ms > 0
+        assert r.gbs == pytest.approx(r.bytes_moved / (r.ms * 1e-3) / 1e9)
+        if r.impl == "torch":
+            assert r.speedup == pytest.approx(1.0)
+    softmax = next(r for r in results if r.op == "softmax" and r.shape == "32x65")
+    cost = opforge.plan("softmax", torch.randn(32, 65)).cost
+    assert softmax.bytes_moved == cost.bytes_moved and softmax.flops == cost.flops
+    names = sorted(p.name for p in files)
+    assert "bench_softmax.png" in names and "bench_broadcast_add.png" in names
+    assert any(n.endswith(".csv") for n in names) and any(n.endswith(".md") for n in names)
+    with pytest.raises(ValueError, match="no benchmark sweep"):
+        bench.bench_op("softmax_backward", device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_bench_command(tmp_path, capsys):
+    code = cli.main(["bench", "rms_norm", "--device", "cpu", "--dtype", "float32", "--shapes",
+                     "4x64", "--out", str(tmp_path), "--no-compile", "--quiet"])
+    assert code == 0
+    assert "rms_norm" in capsys.readouterr().out
+    assert (tmp_path / "bench_rms_norm.png").exists()
+
+
+def test_every_benchmarked_operator_builds_its_cpu_case():
+    for name in bench.benchmarked_ops():
+        opdef = opforge.get_op(name)
+        case = bench._case(opdef, opdef.bench, opdef.bench.cpu_shapes[0], torch.float32,
+                           torch.device("cpu"))
+        planned = opforge.plan(opdef, *case.inputs, **case.attrs)
+        assert planned.cost.bytes_moved > 0 and math.isfinite(planned.cost.flops)
+        assert opdef.precision.peer is not None
