@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # GPU check of opforge, for the GPU machine; run from the repository root:
 #
-#     bash benchmarks/gpu_check.sh            # results in $OUT (default benchmarks/results/gpu)
+#     bash benchmarks/gpu_check.sh                      # every step
+#     STEPS="profile bench profiler_tests" bash benchmarks/gpu_check.sh   # some steps
 #
-# Steps: environment (env.txt), benchmarks/gpu_bench.py (attention, MlaProlog, routing and
-# the embedding gradient first), the attention precision study up to S = 16384, the
-# attention, MlaProlog, gating and embedding tests (hypothesis properties left out),
-# `opforge verify` of every operator's samples on CUDA (Triton backend) and
-# benchmarks/replay.py. Each step's output goes to <step>.log and its exit status to
-# status.txt. A failing step does not stop the later ones (each measures something
-# different and the machine time is scarce); the script exits 1 if any step failed.
-# Per-step limits (120, 80, 150, 170 and 60 s) keep the run under the device's 10-minute
-# call; the 2026-11-30 run took 73 s for the bench (before routing was added), 21 s for
-# the study and 91 s for the attention tests. Override them with BENCH_TIMEOUT,
-# STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT and REPLAY_TIMEOUT (seconds). Everything is
-# written under $OUT/run and packed at the end into $OUT/gpu_results.tar.gz (the device
-# tool returns at most 8 files), next to status.txt.
+# Results go to $OUT (default benchmarks/results/gpu). Steps, in order:
+#   env            environment (env.txt)
+#   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
+#                  gradient, then the bandwidth kernels)
+#   attention_precision  the attention precision study up to S = 16384
+#   tests          the attention, MlaProlog, gating and embedding tests (no hypothesis)
+#   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
+#   replay         benchmarks/replay.py
+#   profiler_tests tests/test_profiler.py (its model profile runs on the GPU there)
+#   profile        `opforge profile` of examples/transformer_block.py (bf16, S 1024) into
+#                  profile_transformer_block/
+#   bench          `opforge bench` of every benchmarked operator (eager, compile, Liger)
+# Each step's output goes to <step>.log and its exit status to status.txt. A failing step
+# does not stop the later ones; the script exits 1 if any step failed. Per-step limits
+# (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
+# REPLAY_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT, OPFORGE_BENCH_TIMEOUT) keep
+# each step bounded; the device's 10-minute call does not fit every step at once (the
+# 2026-11-30 run took 73 s for gpu_bench, 21 s for the study and 91 s for the tests), so
+# choose with STEPS. Everything is written under $OUT/run and packed at the end into
+# $OUT/gpu_results.tar.gz (the device tool returns at most 8 files), next to status.txt.
 set -euo pipefail
 
 OUT=${OUT:-benchmarks/results/gpu}
@@ -26,6 +34,12 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
+STEPS=${STEPS:-"gpu_bench attention_precision tests verify replay profiler_tests profile bench"}
+
+# wanted NAME: whether STEPS lists NAME.
+wanted() {
+  [[ " $STEPS " == *" $1 "* ]]
+}
 
 # record NAME RC START_SECONDS: append the step's status to status.txt, count a failure.
 record() {
@@ -40,6 +54,7 @@ record() {
 step() {
   local name=$1 limit=$2
   shift 2
+  wanted "$name" || return 0
   local start=$SECONDS rc=0
   echo "=== $name: $*" | tee "$OUT/$name.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || rc=$?
@@ -72,6 +87,13 @@ step tests "${TESTS_TIMEOUT:-150}" "$PYTHON" -m pytest -q -x -p no:cacheprovider
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify"
 step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
+step profiler_tests "${PROFILER_TESTS_TIMEOUT:-120}" "$PYTHON" -m pytest -q -x \
+  -p no:cacheprovider tests/test_profiler.py
+step profile "${PROFILE_TIMEOUT:-120}" "$PYTHON" -m opforge profile \
+  --out "$OUT/profile_transformer_block" -- python examples/transformer_block.py \
+  --device cuda --dtype bfloat16 --batch 4 --seq 1024 --dim 1024 --heads 8 --steps 5
+step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device cuda \
+  --dtype bfloat16 --out "$OUT/bench" --quiet
 
 echo "=== summary"
 cat "$OUT/status.txt"

@@ -1,6 +1,6 @@
 """Train one pre-norm transformer block built from opforge operators, on random data.
 
-    python examples/transformer_block.py [--steps 5] [--seq 128] [--dim 256]
+    python examples/transformer_block.py [--steps 5] [--seq 128] [--dim 256] [--device cuda]
     opforge profile -- python examples/transformer_block.py      # the same, profiled
 
 The block is RMSNorm → attention (q, k, v projections, rotary embedding, causal flash
@@ -51,12 +51,15 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    block = Block(args.dim, args.heads, args.seq)
-    x = torch.randn(args.batch, args.seq, args.dim, generator=generator)
-    target = torch.randn(args.batch, args.seq, args.dim, generator=generator)
+    dtype = getattr(torch, args.dtype)
+    block = Block(args.dim, args.heads, args.seq).to(args.device, dtype)
+    x, target = (torch.randn(args.batch, args.seq, args.dim, generator=generator)
+                 .to(args.device, dtype) for _ in range(2))
     optimizer = torch.optim.SGD(block.parameters(), lr=0.05)
     for step in range(args.steps):
         loss = (block(x) - target).square().mean()

@@ -21,6 +21,8 @@ from opforge.core.hardware import HardwareProfile, get_profile
 from opforge.profiler import analyse, bench, report, roofline, tables, timeline
 from opforge.profiler.costs import aten_cost
 
+from .conftest import DEVICE
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformer_block.py"
 # A device with round ceilings: 1 TB/s, 100 TFLOP/s in fp32 and 400 in bf16, 10 cores.
 TOY = HardwareProfile("toy", "cuda", 1e12, {torch.float32: 100e12, torch.bfloat16: 400e12},
@@ -212,6 +214,15 @@ def test_step_split_counts_overlap_once():
     assert step.preparing == pytest.approx(30)
 
 
+@pytest.mark.parametrize(("name", "communication"), [
+    ("ncclKernel_AllReduce_RING_LL_Sum_float", True), ("gloo:all_reduce", True),
+    ("c10d::allgather_", True), ("HcclAllReduce", True), ("aten::broadcast_to", False),
+    ("c10d::broadcast_", True), ("opforge::broadcast_add", False), ("aten::isend", True),
+    ("opforge::softmax", False), ("sendrecv_kernel", False)])
+def test_communication_kernels_are_recognised(name, communication):
+    assert bool(timeline._COMMUNICATION.search(name)) == communication
+
+
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 20)), max_size=12))
 def test_interval_union_matches_a_pixel_count(spans):
     intervals = [(float(a), float(a + d)) for a, d in spans]
@@ -264,9 +275,12 @@ class _Model(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def cpu_profile(tmp_path_factory):
+    """Three steps of a small model on the test device (the CPU's torch backend, or a GPU's
+    kernels), the first a warm-up the schedule does not record."""
     out = tmp_path_factory.mktemp("profile")
-    model, x = _Model(), torch.randn(16, 64)
-    with opforge.use_backend("torch"), opforge.profile(
+    model, x = _Model().to(DEVICE), torch.randn(16, 64, device=DEVICE)
+    backend = "torch" if DEVICE.type == "cpu" else "triton"
+    with opforge.use_backend(backend), opforge.profile(
             out, schedule=torch.profiler.schedule(wait=0, warmup=1, active=2)) as prof:
         for _ in range(3):
             model(x).sum().backward()
@@ -293,28 +307,31 @@ def test_cpu_profile_writes_every_file(cpu_profile):
 def test_cpu_profile_content(cpu_profile):
     out, prof = cpu_profile
     result = prof.result
-    assert result is not None and result.meta.device == "cpu"
+    assert result is not None and result.meta.device.startswith(DEVICE.type)
     assert [s.step for s in result.steps] == ["1", "2"]  # the warm-up step is not recorded
     rms = [k for k in result.kernels if k.type == "opforge::rms_norm"]
-    assert len(rms) == 2 and all(k.core == "CPU" for k in rms)
-    expected = opforge.plan("rms_norm", torch.randn(16, 64), torch.ones(64)).cost
+    assert len(rms) == 2 and all(k.core == DEVICE.type.upper() for k in rms)
+    expected = opforge.plan("rms_norm", torch.randn(16, 64, device=DEVICE),
+                            torch.ones(64, device=DEVICE)).cost
     assert all(k.flops == expected.flops and k.bytes_moved == expected.bytes_moved for k in rms)
     assert rms[0].input_shapes == "16,64;64" and rms[0].output_shapes == "16,64;16"
     assert all(k.verdict(result.hardware).bound != roofline.UNKNOWN for k in rms)
     backward = [k for k in result.kernels if k.type == "opforge::softmax_backward"]
     assert len(backward) == 2
-    linear = [k for k in result.kernels if k.type == "aten::linear"]
-    assert linear and linear[0].flops == 2 * 16 * 64 * 64
+    # The CPU's kernel is the outermost aten::linear; a GPU's gemm belongs to aten::addmm.
+    linear = [k for k in result.kernels if k.type in ("aten::linear", "aten::addmm")]
+    assert linear and 2 * 16 * 64 * 64 in {k.flops for k in linear}
     stats = result.by_type()
     assert sum(s.ratio for s in stats) == pytest.approx(100, abs=0.1)
     assert sum(s.count for s in stats) == len(result.kernels)
     operators = [o for o in result.operators if o.name == "opforge::softmax"]
-    assert operators and operators[0].backend == "torch"
+    assert operators and operators[0].backend == ("torch" if DEVICE.type == "cpu" else "triton")
     assert "nn.Module: _Model" in operators[0].call_stack
     for step in result.steps:
         assert step.computing + step.free == pytest.approx(step.stage, rel=1e-6)
+    owned = sum(1 for k in result.kernels if k.type != k.name or DEVICE.type == "cpu")
     _check_chrome_trace(json.loads((out / "trace_view.json").read_text()),
-                        kernels=len(result.kernels), flows=len(result.kernels))
+                        kernels=len(result.kernels), flows=owned)
 
 
 class _Sections(HTMLParser):

@@ -35,8 +35,10 @@ OPFORGE_PREFIX = "opforge::"
 _SEQUENCED = re.compile(r"^(opforge::[\w.]+)#(\d+)$")
 _KERNEL_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver", "runtime"}
-_COMMUNICATION = re.compile(r"nccl|gloo|hccl|c10d|all_?reduce|all_?gather|reduce_?scatter|"
-                            r"all_?to_?all|broadcast_|send|recv", re.IGNORECASE)
+# Collective and point-to-point kernels (NCCL, HCCL, gloo, c10d); whole words only, so
+# that an operator like broadcast_add is not taken for a broadcast.
+_COMMUNICATION = re.compile(r"nccl|gloo|hccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|"
+                            r"all_?to_?all|\b(?:i?send|i?recv|broadcast)\b", re.IGNORECASE)
 _WRAPPERS = ("autograd::", "torch::autograd", "Optimizer.")
 
 
@@ -123,7 +125,8 @@ class Timeline:
 
     @property
     def steps(self) -> list[Event]:
-        return sorted((e for e in self.events if e.layer == "framework"
+        # Host annotations only: a GPU trace repeats each step on the device's rows.
+        return sorted((e for e in self.events if e.cat == "user_annotation"
                        and e.name.startswith("ProfilerStep#")), key=lambda e: e.ts)
 
 
