@@ -467,3 +467,16 @@ def test_every_benchmarked_operator_builds_its_cpu_case():
         planned = opforge.plan(opdef, *case.inputs, **case.attrs)
         assert planned.cost.bytes_moved > 0 and math.isfinite(planned.cost.flops)
         assert opdef.precision.peer is not None
+
+
+def test_compilation_inside_a_profile_is_left_out(tmp_path):
+    model = torch.compile(_Model(), fullgraph=True)
+    x = torch.randn(16, 64)
+    with opforge.use_backend("torch"), opforge.profile(tmp_path) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            prof.step()
+    result = prof.result
+    assert [k.type for k in result.kernels].count("opforge::rms_norm") == 2
+    assert any("torch.compile compiled" in note for note in result.meta.notes)
+    assert not any("dynamo" in o.call_stack for o in result.operators)

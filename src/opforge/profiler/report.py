@@ -125,6 +125,7 @@ class Report:
             f"launches, {kernel_us / 1e3:.3f} ms of kernel time; {len(self.operators)} "
             "operator calls",
         ]
+        lines.extend(self.meta.notes)
         if hw.source in ("estimate", "runtime", "datasheet"):
             lines.append(f"the ceilings are {hw.source} figures: `opforge calibrate` measures "
                          "this device's copy bandwidth and matmul rate")

@@ -196,6 +196,11 @@ class Profile:
             torch=torch.__version__,
             created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             steps=len(timeline.step_rows(parsed)), source=self._source)
+        if parsed.compile_us:
+            meta.notes.append(
+                f"torch.compile compiled for {parsed.compile_us / 1e3:.1f} ms inside the "
+                "profile; the operators it ran on fake tensors are left out (profile after a "
+                "warm-up step)")
         core = device.type.upper()
         result = report.Report(meta, timeline.kernel_rows(parsed, core),
                                timeline.operator_rows(parsed), timeline.step_rows(parsed))

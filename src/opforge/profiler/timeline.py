@@ -40,6 +40,11 @@ _RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver", "runtime"}
 _COMMUNICATION = re.compile(r"nccl|gloo|hccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|"
                             r"all_?to_?all|\b(?:i?send|i?recv|broadcast)\b", re.IGNORECASE)
 _WRAPPERS = ("autograd::", "torch::autograd", "Optimizer.")
+# torch.compile's timers around a compilation (``dynamo_timed`` events, recorded as
+# operators, and their ``..._data: compile_id=`` annotations): what runs inside (operators
+# on fake tensors, autotuning kernels) is compile-time work, not the run's.
+_COMPILATION = re.compile(r"\(dynamo_timed\)$|^(?:dynamo|entire_frame_compile|backend_compile)$"
+                          r"|compile_id=")
 
 
 @dataclass(eq=False)
@@ -64,6 +69,11 @@ class Event:
     def end(self) -> float:
         return self.ts + self.dur
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the event runs inside a torch.compile compilation."""
+        return any(_COMPILATION.search(e.name) for e in (self, *self.ancestors()))
+
     def ancestors(self) -> Iterable[Event]:
         node = self.parent
         while node is not None:
@@ -81,6 +91,8 @@ class Event:
 def _layer(event: Mapping[str, Any]) -> str:
     cat = str(event.get("cat", "")).lower()
     name = str(event.get("name", ""))
+    if _COMPILATION.search(name):
+        return "framework"
     if cat in _KERNEL_CATEGORIES:
         return "kernel"
     if cat in _RUNTIME_CATEGORIES:
@@ -121,7 +133,14 @@ class Timeline:
 
     @property
     def operators(self) -> list[Event]:
-        return [e for e in self.events if e.layer == "operator"]
+        """The run's operator calls (not those of a torch.compile compilation)."""
+        return [e for e in self.events if e.layer == "operator" and not e.compiling]
+
+    @property
+    def compile_us(self) -> float:
+        """Time spent compiling with torch.compile inside the profile."""
+        return _length(_union((e.ts, e.end) for e in self.events
+                              if _COMPILATION.search(e.name)))
 
     @property
     def steps(self) -> list[Event]:
@@ -161,8 +180,7 @@ def parse(traces: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str
     events = _merge_annotations(events, by_external)
     device = [e for e in events if e.layer == "kernel"]
     if device:
-        _own_device_kernels(device, events, by_external)
-        kernels = device
+        kernels = _own_device_kernels(device, events, by_external)
     else:
         kernels = _cpu_kernels(events)
     for kernel in kernels:
@@ -205,17 +223,23 @@ def _merge_annotations(events: list[Event], by_external: dict[Any, Event]) -> li
 
 
 def _own_device_kernels(kernels: Sequence[Event], events: Sequence[Event],
-                        by_external: Mapping[Any, Event]) -> None:
+                        by_external: Mapping[Any, Event]) -> list[Event]:
+    """Give each kernel its launching operator; drop those a compilation launched."""
     launches = {e.args.get("correlation"): e for e in events
                 if e.layer == "runtime" and e.args.get("correlation") is not None}
+    kept = []
     for kernel in kernels:
         origin = by_external.get(kernel.args.get("External id"))
         if origin is None:
             launch = launches.get(kernel.args.get("correlation"))
             origin = launch.parent if launch is not None else None
+        if origin is not None and origin.compiling:
+            continue
         if origin is not None and origin.layer != "operator":
             origin = _operator_parent(origin)
         kernel.owner = origin
+        kept.append(kernel)
+    return kept
 
 
 def _has_opforge_below(event: Event) -> bool:
@@ -225,10 +249,12 @@ def _has_opforge_below(event: Event) -> bool:
 def _cpu_kernels(events: Sequence[Event]) -> list[Event]:
     """On the CPU, each outermost operator that calls no opforge operator is a kernel, and
     so is each opforge operator that calls no other one; wrappers (autograd nodes, optimizer
-    steps) are looked through."""
+    steps) are looked through, compilations skipped."""
     kernels: list[Event] = []
 
     def visit(event: Event) -> None:
+        if _COMPILATION.search(event.name):
+            return
         if (event.layer == "operator" and not _is_wrapper(event)
                 and not _has_opforge_below(event)):
             kernel = Event(event.name, event.cat, event.ts, event.dur, event.pid, event.tid,
