@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench certificate clean
+.PHONY: run test lint verify bench certificate study clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/opforge verify --report reports/verify
+	$(BIN)/opforge demo --out reports
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
@@ -23,6 +23,12 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+
+verify: $(STAMP)
+	$(BIN)/opforge verify --report reports/verify
+
+study: $(STAMP)
+	$(BIN)/opforge demo --study --out reports --doc docs/precision-study.md
 
 certificate: $(STAMP)
 	$(BIN)/opforge verify --report reports/verify --certificate docs/precision-certificate.md

@@ -16,13 +16,14 @@
 #   profile        `opforge profile` of examples/transformer_block.py (bf16, S 1024) into
 #                  profile_transformer_block/
 #   bench          `opforge bench` of every benchmarked operator (eager, compile, Liger)
+#   demo           `opforge demo` on the GPU (the tiny MoE LM on the Triton kernels)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
-# REPLAY_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT, OPFORGE_BENCH_TIMEOUT) keep
-# each step bounded; the device's 10-minute call does not fit every step at once (the
-# 2026-11-30 run took 73 s for gpu_bench, 21 s for the study and 91 s for the tests), so
-# choose with STEPS. Everything is written under $OUT/run and packed at the end into
+# REPLAY_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT, OPFORGE_BENCH_TIMEOUT,
+# DEMO_TIMEOUT) keep each step bounded; the device's 10-minute call does not fit every
+# step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the study and 91 s
+# for the tests), so choose with STEPS. Everything is written under $OUT/run and packed at the end into
 # $OUT/gpu_results.tar.gz (the device tool returns at most 8 files), next to status.txt.
 set -euo pipefail
 
@@ -34,7 +35,7 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
-STEPS=${STEPS:-"gpu_bench attention_precision tests verify replay profiler_tests profile bench"}
+STEPS=${STEPS:-"gpu_bench attention_precision tests verify replay profiler_tests profile bench demo"}
 
 # wanted NAME: whether STEPS lists NAME.
 wanted() {
@@ -94,6 +95,8 @@ step profile "${PROFILE_TIMEOUT:-120}" "$PYTHON" -m opforge profile \
   --device cuda --dtype bfloat16 --batch 4 --seq 1024 --dim 1024 --heads 8 --steps 5
 step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device cuda \
   --dtype bfloat16 --out "$OUT/bench" --quiet
+step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \
+  --quiet
 
 echo "=== summary"
 cat "$OUT/status.txt"

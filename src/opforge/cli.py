@@ -1,5 +1,5 @@
 """The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``compare``,
-``doctor``, ``calibrate``, ``profile``, ``analyse``, ``bench``."""
+``doctor``, ``calibrate``, ``profile``, ``analyse``, ``bench``, ``demo``."""
 
 from __future__ import annotations
 
@@ -350,6 +350,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if any(r.error and r.impl == "opforge" for r in results) else 0
 
 
+def _model_sizes(text: str | None) -> dict[str, int]:
+    if not text:
+        return {}
+    sizes = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opforge import demo
+
+    model = _model_sizes(args.model)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn(), TextColumn("loss {task.fields[loss]}"))
+    if args.study:
+        runs = demo.STUDY_RUNS
+        with Progress(*columns, console=console, disable=args.quiet) as bar:
+            tasks = {run.name: bar.add_task(run.name, total=args.study_steps, loss="-")
+                     for run in runs}
+
+            def study_step(name: str, step: int, loss: float) -> None:
+                bar.update(tasks[name], completed=step + 1, loss=f"{loss:.3f}")
+
+            result = demo.run_study(Path(args.out) / "study", steps=args.study_steps,
+                                    batch=args.batch, model=model, device=args.device,
+                                    dump_every=args.dump_every,
+                                    doc=Path(args.doc) if args.doc else None,
+                                    on_step=study_step)
+        console.print(result.markdown)
+        for path in result.files:
+            console.print(f"wrote {path}")
+        return 0
+    with Progress(*columns, console=console, disable=args.quiet) as bar:
+        task = bar.add_task("training", total=args.steps, loss="-")
+        run, index = demo.run_demo(
+            args.out, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
+            model=model, profile_steps=(args.profile_from, args.profile_steps),
+            on_step=lambda step, loss: bar.update(task, completed=step + 1,
+                                                  loss=f"{loss:.3f}"))
+    val = run.val_losses[-1][1] if run.val_losses else float("nan")
+    console.print(f"trained {run.config.steps} steps on {run.device} in {run.seconds:.1f} s: "
+                  f"loss {run.losses[0]:.3f} -> {run.final_loss:.3f} (validation {val:.3f}); "
+                  f"monitor: {len(run.alerts)} alert(s)")
+    if run.profile is not None:
+        top = run.profile.by_name()[:3]
+        console.print("profile: " + "; ".join(
+            f"{s.type} {s.ratio:.0f}% of kernel time, {s.verdict.bound}" for s in top))
+    console.print(f"sample: {run.sample[:120]!r}")
+    console.print(f"report: {index.resolve()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -409,6 +465,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench_results", help="directory of the results")
     bench.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo = sub.add_parser("demo", help="train the tiny MoE language model with the monitor "
+                                       "and profiler on; write reports/index.html")
+    demo.add_argument("--out", default="reports", help="report directory (default reports)")
+    demo.add_argument("--steps", type=int, default=400)
+    demo.add_argument("--batch", type=int, default=32)
+    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
+    demo.add_argument("--model", default=None,
+                      help="model sizes, e.g. dim=64,layers=1,heads=2,hidden=64,experts=4,k=2")
+    demo.add_argument("--profile-from", type=int, default=10, help="first profiled step")
+    demo.add_argument("--profile-steps", type=int, default=3, help="steps profiled")
+    demo.add_argument("--study", action="store_true",
+                      help="the precision study instead: five precision settings")
+    demo.add_argument("--study-steps", type=int, default=400)
+    demo.add_argument("--dump-every", type=int, default=50,
+                      help="steps between the study's statistics dumps")
+    demo.add_argument("--doc", default=None,
+                      help="also write the study's Markdown here (docs/precision-study.md)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -423,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
                "calibrate": cmd_calibrate, "compile-check": cmd_compile_check,
                "compare": cmd_compare, "profile": cmd_profile, "analyse": cmd_analyse,
-               "bench": cmd_bench}[args.command]
+               "bench": cmd_bench, "demo": cmd_demo}[args.command]
     from opforge.core.errors import OpError
 
     try:

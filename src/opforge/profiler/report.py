@@ -158,59 +158,73 @@ class Report:
 
     # -- HTML -----------------------------------------------------------------------------
 
-    def html(self, plot_path: Path | None = None) -> str:
-        """One self-contained page (styles inline, the plot embedded as a data URI)."""
+    def html_sections(self, plot_path: Path | None = None, top: int = TOP
+                      ) -> list[tuple[str, str, str]]:
+        """``(id, title, HTML)`` of each section of the report page."""
         esc = html.escape
-        image = ""
-        if plot_path is not None and plot_path.exists():
-            data = base64.b64encode(plot_path.read_bytes()).decode("ascii")
-            image = f'<img alt="roofline" src="data:image/png;base64,{data}">'
-        top = self.by_name()[:TOP]
+        stats = self.by_name()[:top]
         shares = self.verdict_shares()
-        sections = [
+        flagged = self.flagged(top)
+        return [
             ("summary", "Summary", "".join(f"<p>{esc(line)}</p>"
                                            for line in self.summary_lines())),
-            ("steps", "Steps", _table(
+            ("steps", "Steps", html_table(
                 ["Step", "Stage ms", "Computing ms", "Communication ms", "Overlapped ms",
                  "Free ms", "Preparing ms"],
                 [[s.step, *(f"{v / 1e3:.3f}" for v in (s.stage, s.computing, s.communication,
                                                        s.overlapped, s.free, s.preparing))]
                  for s in self.steps])),
-            ("top-kernels", "Top kernels", _table(
+            ("top-kernels", "Top kernels", html_table(
                 ["Kernel", "Type", "Calls", "Total ms", "%", "Avg us", "TFLOP/s", "GB/s",
                  "Roofline %", "Bound"],
-                [_stat_cells(s, self._type_of(s.type)) for s in top])),
-            ("verdicts", "Verdicts", _table(
+                [_stat_cells(s, self._type_of(s.type)) for s in stats])),
+            ("verdicts", "Verdicts", html_table(
                 ["Bound", "Kernels", "Share of kernel time %"],
                 [[bound, str(count), f"{share:.1f}"]
                  for bound, (count, share) in sorted(shares.items(),
                                                      key=lambda kv: -kv[1][1])])
              + "<p>compute- or memory-bound: at 80% or more of that roof; latency-bound: "
                "below 80% of both; unknown: no cost known.</p>"),
-            ("operators", "Operator statistics", _table(
+            ("operators", "Operator statistics", html_table(
                 ["Type", "Core", "Count", "Total ms", "Avg us", "Min us", "Max us", "Ratio %",
                  "Bound"],
                 [[s.type, s.core, str(s.count), f"{s.total_us / 1e3:.3f}", f"{s.avg_us:.1f}",
                   f"{s.min_us:.1f}", f"{s.max_us:.1f}", f"{s.ratio:.1f}", s.verdict.bound]
-                 for s in self.by_type()[:TOP]])),
-            ("roofline", "Roofline", image or "<p>(no plot)</p>"),
+                 for s in self.by_type()[:top]])),
+            ("roofline", "Roofline", embedded_image(plot_path, "roofline")),
             ("advice", "Advice", "<ul>" + "".join(
-                f"<li><b>{esc(stat.type)}</b>: {esc(line)}</li>"
-                for stat, line in self.flagged()) + "</ul>" if self.flagged()
-             else "<p>Every kernel among the top reaches a roof.</p>"),
+                f"<li><b>{esc(stat.type)}</b>: {esc(line)}</li>" for stat, line in flagged)
+             + "</ul>" if flagged else "<p>Every kernel among the top reaches a roof.</p>"),
         ]
-        body = "".join(f'<section id="{key}"><h2>{esc(title)}</h2>{content}</section>'
-                       for key, title, content in sections)
-        return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>opforge profile"
-                f"</title><style>{_STYLE}</style></head><body><h1>opforge profile</h1>"
-                f"{body}</body></html>")
+
+    def html(self, plot_path: Path | None = None) -> str:
+        """One self-contained page (styles inline, the plot embedded as a data URI)."""
+        return html_page("opforge profile", self.html_sections(plot_path))
 
 
-_STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1200px}"
-          "table{border-collapse:collapse;font-size:13px}"
-          "td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}"
-          "th{background:#eee}img{max-width:100%}"
-          "section{margin-bottom:2em}")
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1200px}"
+         "table{border-collapse:collapse;font-size:13px}"
+         "td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}"
+         "th{background:#eee}img{max-width:100%}pre{background:#f6f6f6;padding:1em;"
+         "white-space:pre-wrap}section{margin-bottom:2em}")
+
+
+def html_page(title: str, sections: Sequence[tuple[str, str, str]], intro: str = "") -> str:
+    """A self-contained page: ``sections`` as ``(id, heading, HTML)``, styles inline."""
+    esc = html.escape
+    body = "".join(f'<section id="{key}"><h2>{esc(heading)}</h2>{content}</section>'
+                   for key, heading, content in sections)
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{esc(title)}"
+            f"</title><style>{STYLE}</style></head><body><h1>{esc(title)}</h1>{intro}"
+            f"{body}</body></html>")
+
+
+def embedded_image(path: Path | None, alt: str) -> str:
+    """An ``<img>`` holding the PNG at ``path`` as a data URI (a note when it is missing)."""
+    if path is None or not path.exists():
+        return "<p>(no plot)</p>"
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
 def _stat_cells(stat: Statistic, kind: str) -> list[str]:
@@ -222,7 +236,8 @@ def _stat_cells(stat: Statistic, kind: str) -> list[str]:
             "" if v.roofline_pct is None else f"{v.roofline_pct:.1f}", v.bound]
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """An HTML table of text cells (escaped)."""
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"

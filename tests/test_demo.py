@@ -1,0 +1,167 @@
+"""The demo: the tiny MoE language model, its report, and the precision study's code path."""
+
+from __future__ import annotations
+
+import math
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import opforge
+from opforge import cli, demo
+from opforge.demo import study
+from opforge.precision.verify import read_certificate
+
+from .conftest import DEVICE
+
+TINY = {"dim": 32, "layers": 1, "heads": 2, "hidden": 32, "experts": 4, "k": 2}
+# Every operator the model is made of, as the profiler names it.
+MODEL_OPERATORS = {"opforge::embedding_dense_grad", "opforge::rms_norm",
+                   "opforge::add_rms_norm", "opforge::rope", "opforge::attention",
+                   "opforge::attention_backward", "opforge::moe_gating_top_k",
+                   "opforge::gelu", "opforge::matmul", "opforge::log_softmax"}
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.sections: dict[str, list[str]] = {}
+        self.current: str | None = None
+        self.images: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "section":
+            self.current = attrs["id"]
+            self.sections[self.current] = []
+        if tag == "img":
+            self.images.append(attrs["src"])
+
+    def handle_endtag(self, tag):
+        if tag == "section":
+            self.current = None
+
+    def handle_data(self, data):
+        if self.current is not None and data.strip():
+            self.sections[self.current].append(data.strip())
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    steps: list[float] = []
+    run, index = demo.run_demo(out, steps=12, batch=4, device=DEVICE, model=TINY,
+                               profile_steps=(3, 2), sample_chars=24,
+                               on_step=lambda step, loss: steps.append(loss))
+    return out, run, index, steps
+
+
+def test_demo_trains_the_model(demo_run):
+    _, run, _, progress = demo_run
+    assert len(run.losses) == 12 and progress == run.losses
+    assert all(math.isfinite(v) for v in run.losses)
+    assert run.losses[0] == pytest.approx(math.log(run.vocab), rel=0.05)  # uniform at first
+    assert run.final_loss < run.losses[0] - 0.3
+    assert [s for s, _ in run.val_losses] == [12]
+    assert run.sample.startswith("And God said") and len(run.sample) == len("And God said") + 24
+    assert len(run.expert_load) == 1 and sum(run.expert_load[0]) == 4 * 64 * 2
+
+
+def test_demo_model_is_made_of_opforge_operators(demo_run):
+    _, run, _, _ = demo_run
+    assert [s.step for s in run.profile.steps] == ["3", "4"]
+    kinds = {k.type for k in run.profile.kernels} | {o.name for o in run.profile.operators}
+    assert MODEL_OPERATORS <= kinds
+
+
+def test_demo_report_has_every_section(demo_run):
+    out, run, index, _ = demo_run
+    page = _Page()
+    page.feed(index.read_text())
+    assert list(page.sections) == list(demo.SECTIONS)
+    for name, texts in page.sections.items():
+        assert texts or name == "loss", name
+    assert len(page.images) == 2 and all(i.startswith("data:image/png;base64,")
+                                         for i in page.images)
+    run_text = " ".join(page.sections["run"])
+    assert "12 steps of 4 x 64 characters" in run_text
+    assert "no anomalies in 12 steps" in " ".join(page.sections["monitor"])
+    profile_text = " ".join(page.sections["profile"])
+    assert "opforge::attention" in profile_text and "latency-bound" in profile_text
+    certificate = read_certificate(demo.default_certificate())
+    assert certificate.totals in " ".join(page.sections["certificate"])
+    assert run.sample[:12] in " ".join(page.sections["sample"])
+    for name in ("loss.png", "profile/report.html", "profile/trace_view.json",
+                 "profile/kernel_details.csv"):
+        assert (out / name).exists(), name
+
+
+def test_naive_softmax_is_the_overflowing_foil():
+    model = demo.load_example()
+    x = torch.tensor([[12.0, 0.0, -3.0]], dtype=torch.float16)
+    assert torch.isnan(model.naive_softmax(x)).any()            # exp(12) > 65504
+    stable = opforge.softmax(x, dim=-1)
+    assert torch.isfinite(stable).all()
+    assert torch.allclose(model.naive_softmax(x.float() - 12), stable.float(), atol=1e-3)
+
+
+def test_study_code_path_on_tiny_sizes(tmp_path):
+    result = demo.run_study(tmp_path / "study", steps=6, batch=4, model=TINY, dump_every=3,
+                            device=DEVICE, doc=tmp_path / "docs" / "precision-study.md")
+    names = [r.config.name for r in result.runs]
+    assert names == [r.name for r in demo.STUDY_RUNS]
+    assert result.dump_steps == [0, 3, 5]
+    assert set(result.divergences) == set(names[1:])
+    for found in result.divergences.values():
+        assert found.error == "" and 1 <= found.compared_steps <= 3
+        assert (found.step is None) == (found.compared_steps == 3 and not found.entry)
+    # Every run started from the same weights on the same batch.
+    assert len({round(r.losses[0], 1) for r in result.runs}) == 1
+    for name in ("study.md", "study.json", "loss_curves.png"):
+        assert (tmp_path / "study" / name).exists()
+    text = (tmp_path / "docs" / "precision-study.md").read_text()
+    assert "![loss curves](precision-study.png)" in text
+    assert (tmp_path / "docs" / "precision-study.png").exists()
+    assert text.count("\n| ") >= 1 + len(names) and "## Findings" in text
+    assert all(f"**{name}**" in text for name in names[1:])
+
+
+def test_divergence_of_identical_and_of_misaligned_dumps(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for name, scale in (("a", 1.0), ("b", 1.0), ("c", 3.0)):
+        with opforge.precision.dump(model, tmp_path / name) as dumped:
+            for _ in range(2):
+                model(torch.ones(3, 4) * scale).sum().backward()
+                dumped.step()
+    same = study.divergence(tmp_path / "a", tmp_path / "b", [0, 1])
+    assert same.step is None and same.compared_steps == 2
+    moved = study.divergence(tmp_path / "a", tmp_path / "c", [0, 1])
+    assert moved.step == 0 and moved.entry
+    missing = study.divergence(tmp_path / "a", tmp_path / "b", [0, 7])
+    assert missing.step is None and missing.compared_steps == 1 and "step7" in missing.error
+
+
+def test_example_dir_says_where_it_looked(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPFORGE_EXAMPLE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="tiny MoE language model is not at"):
+        demo.example_dir()
+
+
+def test_demo_command(tmp_path, capsys):
+    code = cli.main(["demo", "--out", str(tmp_path), "--steps", "4", "--batch", "2",
+                     "--model", "dim=32,layers=1,heads=2,hidden=32,experts=4,k=2",
+                     "--profile-from", "2", "--profile-steps", "1", "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "trained 4 steps" in printed and "report:" in printed
+    assert (tmp_path / "index.html").exists()
+
+
+def test_study_command(tmp_path, capsys):
+    code = cli.main(["demo", "--study", "--out", str(tmp_path), "--study-steps", "3",
+                     "--dump-every", "2", "--batch", "2", "--quiet",
+                     "--model", "dim=32,layers=1,heads=2,hidden=32,experts=4,k=2"])
+    assert code == 0
+    assert "## Findings" in capsys.readouterr().out
+    assert (tmp_path / "study" / "study.md").exists()
