@@ -123,3 +123,28 @@ def test_step_and_module_filters(tmp_path):
     assert read_step(folders[0]).tensors is None
     with pytest.raises(ValueError, match="mode"):
         dump(model, tmp_path / "x", mode="everything")
+
+
+@pytest.mark.parametrize("mode", ["tensor", "statistics"])
+def test_loss_scaled_gradients_are_dumped_unscaled(tmp_path, mode):
+    """A run whose loss is multiplied by 1024 matches the unscaled run once its gradients
+    are divided by the scale, and diverges in the backward without that."""
+    from opforge.precision.dump import compare_steps, first_divergence
+
+    def scaled_run(path, scale, grad_scale):
+        model = _model()
+        generator = torch.Generator().manual_seed(1)
+        with dump(model, path, mode=mode, grad_scale=grad_scale) as d:
+            (model(torch.randn(8, 32, generator=generator)).sum() * scale).backward()
+            d.step()
+
+    scaled_run(tmp_path / "plain", 1.0, None)
+    scaled_run(tmp_path / "unscaled", 1024.0, lambda: 1024.0)
+    scaled_run(tmp_path / "scaled", 1024.0, None)
+    plain = read_step(tmp_path / "plain" / "rank0" / "step0")
+    results = compare_steps(plain, read_step(tmp_path / "unscaled" / "rank0" / "step0"))
+    assert first_divergence(results) is None
+    results = compare_steps(plain, read_step(tmp_path / "scaled" / "rank0" / "step0"))
+    first = first_divergence(results)
+    assert first is not None and results[first].phase == "backward"
+    assert results[first].norm_error == pytest.approx(1023.0, rel=1e-3)

@@ -382,7 +382,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                     dump_every=args.dump_every,
                                     doc=Path(args.doc) if args.doc else None,
                                     on_step=study_step)
-        console.print(result.markdown)
+        console.print(result.markdown, markup=False, highlight=False)
         for path in result.files:
             console.print(f"wrote {path}")
         return 0
@@ -401,7 +401,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         top = run.profile.by_name()[:3]
         console.print("profile: " + "; ".join(
             f"{s.type} {s.ratio:.0f}% of kernel time, {s.verdict.bound}" for s in top))
-    console.print(f"sample: {run.sample[:120]!r}")
+    console.print(f"sample: {run.sample[:120]!r}", markup=False)
     console.print(f"report: {index.resolve()}")
     return 0
 
@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--study", action="store_true",
                       help="the precision study instead: five precision settings")
     demo.add_argument("--study-steps", type=int, default=400)
-    demo.add_argument("--dump-every", type=int, default=50,
+    demo.add_argument("--dump-every", type=int, default=10,
                       help="steps between the study's statistics dumps")
     demo.add_argument("--doc", default=None,
                       help="also write the study's Markdown here (docs/precision-study.md)")

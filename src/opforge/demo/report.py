@@ -16,32 +16,54 @@ SECTIONS = ("run", "loss", "monitor", "profile", "certificate", "sample")
 _STATUS_ORDER = ("error", "fail", "warning", "known", "pass", "skip")
 
 
+def _moving_average(values: Sequence[float], window: int = 20) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
 def plot_losses(runs: Sequence[RunResult], path: Path, title: str) -> Path:
     """Training loss per step (a light line, and its 20-step moving average) and the
-    validation losses (markers) of each run."""
+    validation losses (markers) of each run; a cross where a run's loss became non-finite.
+    With several runs, a second panel shows each run's moving average minus the first's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=110)
+    panels = 2 if len(runs) > 1 else 1
+    figure, axes = plt.subplots(panels, 1, figsize=(8, 4.5 + 2.2 * (panels - 1)), dpi=110,
+                                squeeze=False, sharex=True,
+                                gridspec_kw={"height_ratios": [2, 1][:panels]})
+    top = axes[0][0]
+    reference = _moving_average(runs[0].losses)
     for run in runs:
-        steps = range(1, len(run.losses) + 1)
-        line, = axes.plot(steps, run.losses, alpha=0.25, linewidth=0.8)
-        window = 20
-        smooth = [sum(run.losses[max(0, i - window + 1):i + 1])
-                  / len(run.losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(run.losses))]
-        axes.plot(steps, smooth, color=line.get_color(), label=f"{run.config.name} (train)")
+        steps = list(range(1, len(run.losses) + 1))
+        line, = top.plot(steps, run.losses, alpha=0.25, linewidth=0.8)
+        colour = line.get_color()
+        smooth = _moving_average(run.losses)
+        top.plot(steps, smooth, color=colour, label=f"{run.config.name} (train)")
         if run.val_losses:
-            axes.plot([s for s, _ in run.val_losses], [v for _, v in run.val_losses], "o",
-                      color=line.get_color(), markersize=4,
-                      label=f"{run.config.name} (validation)")
-    axes.set_xlabel("step")
-    axes.set_ylabel("cross-entropy (nats per character)")
-    axes.set_title(title, fontsize=10)
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
+            top.plot([s for s, _ in run.val_losses], [v for _, v in run.val_losses], "o",
+                     color=colour, markersize=4)
+        if run.first_nonfinite is not None:
+            last = next((v for v in reversed(run.losses[:run.first_nonfinite])
+                         if math.isfinite(v)), run.losses[0])
+            top.plot([run.first_nonfinite + 1], [last], "x", color=colour, markersize=10,
+                     markeredgewidth=2, label=f"{run.config.name}: loss non-finite")
+        if panels == 2 and run is not runs[0]:
+            axes[1][0].plot(steps, [a - b for a, b in zip(smooth, reference)], color=colour,
+                            label=run.config.name)
+    top.set_ylabel("cross-entropy (nats per character)")
+    top.set_title(title + " (dots: validation)", fontsize=10)
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize=7)
+    if panels == 2:
+        bottom = axes[1][0]
+        bottom.axhline(0.0, color="black", linewidth=0.8)
+        bottom.set_ylabel(f"minus {runs[0].config.name}", fontsize=9)
+        bottom.grid(True, alpha=0.3)
+        bottom.legend(fontsize=7)
+    axes[-1][0].set_xlabel("step")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

@@ -51,6 +51,7 @@ class Divergence:
     entry: str = ""
     growth_entry: str = ""
     cosine: float = 1.0
+    norm_error: float = 0.0
     compared_steps: int = 0
     error: str = ""
 
@@ -83,7 +84,7 @@ def divergence(reference: Path, run: Path, steps: Sequence[int]) -> Divergence:
             growth = growth_point(results)
             return Divergence(step, results[first].key,
                               results[growth].key if growth is not None else "",
-                              results[first].cosine, compared)
+                              results[first].cosine, results[first].norm_error, compared)
     return Divergence(None, compared_steps=compared)
 
 
@@ -128,9 +129,13 @@ def findings(runs: Sequence[RunResult], divergences: dict[str, Divergence]) -> l
         elif found is not None and found.step is not None:
             text += (f" Its activation/gradient statistics first left the run-compare "
                      f"tolerance at dumped step {found.step}, in `{found.entry}` (cosine "
-                     f"{found.cosine:.6f})"
+                     f"{found.cosine:.6f}, norm {100 * found.norm_error:.2f}% off)"
                      + (f"; the error started to grow at `{found.growth_entry}`."
                         if found.growth_entry and found.growth_entry != found.entry else "."))
+            if found.compared_steps > 1:
+                text += (f" At the {found.compared_steps - 1} dumped step(s) before, from the "
+                         "same initial weights, every entry was within tolerance: the "
+                         "difference grew as the weights of the two runs drifted apart.")
         elif found is not None:
             text += (f" Its statistics stayed within the run-compare tolerance at all "
                      f"{found.compared_steps} dumped steps.")
@@ -178,13 +183,18 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
             f"{'-' if run.first_nonfinite is None else run.first_nonfinite} | "
             f"{run.skipped_steps if run.config.loss_scaling else '-'} | {where} | "
             f"{_alert_text(run)} | {run.seconds:.0f} |")
-    lines += ["", f"![loss curves]({plot_name})", "", "## Findings", "",
+    lines += ["", f"![loss curves]({plot_name})", "",
+              "An entry is `<module>#<call>.<phase>.<io>.<index>`: a module's forward input "
+              "or output, or in the backward the gradient it produced for its input (`<model>` "
+              "is the whole model); the gradients of loss-scaled runs are compared unscaled. "
+              "Monitor alerts name the module where a NaN, Inf, overflow or spike first "
+              "appeared in a step.", "", "## Findings", "",
               *[f"- {line}" for line in findings(runs, divergences)], ""]
     return "\n".join(lines)
 
 
 def run_study(out_dir: Path, *, steps: int = 400, batch: int = 32,
-              model: dict[str, int] | None = None, dump_every: int = 50,
+              model: dict[str, int] | None = None, dump_every: int = 10,
               device: torch.device | str | None = None, doc: Path | None = None,
               runs: Sequence[RunConfig] = STUDY_RUNS,
               on_step: Callable[[str, int, float], None] | None = None) -> StudyResult:

@@ -188,8 +188,11 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
             prof = stack.enter_context(profile(
                 profile_dir, schedule=torch.profiler.schedule(wait=max(0, first - 1), warmup=1,
                                                               active=count, repeat=1)))
-        dumper = (stack.enter_context(dump(model, dump_dir, steps=list(dump_steps)))
-                  if dump_dir is not None else None)
+        # A loss-scaled run's gradients are dumped unscaled, to compare with float32's.
+        dumper = (stack.enter_context(dump(
+            model, dump_dir, steps=list(dump_steps),
+            grad_scale=scaler.get_scale if config.loss_scaling else None))
+            if dump_dir is not None else None)
         start = time.perf_counter()
         for step in range(config.steps):
             inputs, targets = data.batch(config.batch, generator, "train", device)

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,9 @@ class Dump:
         mode: ``statistics`` (manifest only) or ``tensor`` (also every tensor).
         steps: step numbers to write (``None``: every step).
         modules: only modules whose dotted path contains one of these strings.
+        grad_scale: the loss scale of a loss-scaled run (e.g. ``scaler.get_scale``), read
+            once per step: gradients are recorded divided by it, in float32, so that they
+            compare with an unscaled run's (the manifest keeps their own dtype).
 
     Raises:
         ValueError: unknown mode.
@@ -94,7 +97,8 @@ class Dump:
 
     def __init__(self, model: torch.nn.Module, path: str | Path, mode: str = "statistics",
                  steps: Sequence[int] | None = None,
-                 modules: Sequence[str] | None = None) -> None:
+                 modules: Sequence[str] | None = None,
+                 grad_scale: Callable[[], float] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown dump mode {mode!r}; expected one of {', '.join(MODES)}")
         self.model = model
@@ -110,6 +114,8 @@ class Dump:
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
         self._active = False
+        self.grad_scale = grad_scale
+        self._scale: float | None = None
 
     def __enter__(self) -> Dump:
         self._handles = hook_modules(self.model, self.modules, self._hook)
@@ -142,18 +148,24 @@ class Dump:
 
     def _grad_hook(self, name: str, call: int, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if self._wanted():
-                self._add(name, call, "backward", "input", index, grad)
+            if not self._wanted():
+                return
+            dtype = grad.dtype
+            if self.grad_scale is not None and grad.is_floating_point():
+                if self._scale is None:
+                    self._scale = float(self.grad_scale())
+                grad = grad.float() / self._scale
+            self._add(name, call, "backward", "input", index, grad, dtype)
         return hook
 
     def _add(self, module: str, call: int, phase: str, io: str, index: int,
-             tensor: torch.Tensor) -> None:
+             tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         if not tensor.is_floating_point():
             return
         key = f"{module}#{call}.{phase}.{io}.{index}"
         self._entries.append({"key": key, "module": module, "call": call, "phase": phase,
                               "io": io, "index": index, "shape": list(tensor.shape),
-                              "dtype": str(tensor.dtype).removeprefix("torch.")})
+                              "dtype": str(dtype or tensor.dtype).removeprefix("torch.")})
         self._stats.append(summary_stats(tensor))
         if self.mode == "tensor":
             self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
@@ -164,6 +176,7 @@ class Dump:
             self._write()
         self.step_index += 1
         self._calls.clear()
+        self._scale = None
 
     def _write(self) -> None:
         from safetensors.torch import save
@@ -187,9 +200,10 @@ class Dump:
 
 
 def dump(model: torch.nn.Module, path: str | Path, mode: str = "statistics",
-         steps: Sequence[int] | None = None, modules: Sequence[str] | None = None) -> Dump:
+         steps: Sequence[int] | None = None, modules: Sequence[str] | None = None,
+         grad_scale: Callable[[], float] | None = None) -> Dump:
     """A `Dump` of ``model`` into ``path`` (use as a context manager)."""
-    return Dump(model, path, mode, steps, modules)
+    return Dump(model, path, mode, steps, modules, grad_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,6 +281,7 @@ class EntryComparison:
     thousandth_ratio: float
     five_thousandths_ratio: float
     diverged: bool
+    norm_error: float = 0.0
 
 
 def _lower_precision(a: str, b: str) -> torch.dtype:
@@ -313,22 +328,23 @@ def compare_steps(a: StepDump, b: StepDump) -> list[EntryComparison]:
                                       dtype=dtype)
         else:
             metrics = _compare_statistics(entry_a, entry_b)
+        norm_a, norm_b = entry_a["stats"]["norm"], entry_b["stats"]["norm"]
+        norm_error = abs(norm_b - norm_a) / max(abs(norm_a), torch.finfo(torch.float32).tiny)
         results.append(EntryComparison(
             entry_a["key"], entry_a["module"], entry_a["phase"], entry_a["io"],
             str(dtype).removeprefix("torch."), metrics.cosine, metrics.max_abs,
             metrics.max_rel, metrics.thousandth_ratio, metrics.five_thousandths_ratio,
-            _diverged(metrics, entry_a["stats"], entry_b["stats"], dtype)))
+            _diverged(metrics, norm_error, entry_a["stats"], entry_b["stats"], dtype),
+            norm_error))
     return results
 
 
-def _diverged(metrics: Metrics, stats_a: dict[str, float], stats_b: dict[str, float],
-              dtype: torch.dtype) -> bool:
+def _diverged(metrics: Metrics, norm_error: float, stats_a: dict[str, float],
+              stats_b: dict[str, float], dtype: torch.dtype) -> bool:
     limits = THRESHOLDS["run_compare"][dtype]
     if metrics.nan_inf_mismatch or (stats_a["nan"] + stats_a["inf"]) != (
             stats_b["nan"] + stats_b["inf"]):
         return True
-    norm_a, norm_b = stats_a["norm"], stats_b["norm"]
-    norm_error = abs(norm_b - norm_a) / max(abs(norm_a), torch.finfo(torch.float32).tiny)
     return metrics.cosine < limits["min_cosine"] or norm_error > limits["norm_rtol"]
 
 
