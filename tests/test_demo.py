@@ -178,3 +178,11 @@ def test_certificate_reader(tmp_path):
     (tmp_path / "other.md").write_text("# notes\n")
     with pytest.raises(ValueError, match="not an opforge precision certificate"):
         read_certificate(tmp_path / "other.md")
+
+
+def test_demo_refuses_unknown_model_sizes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--model", "width=3"])
+    assert exit_.value.code == 2 and "NAME=INTEGER" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown model size"):
+        demo.train(demo.RunConfig(steps=1, model={"depth": 2}))

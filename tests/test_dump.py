@@ -148,3 +148,23 @@ def test_loss_scaled_gradients_are_dumped_unscaled(tmp_path, mode):
     first = first_divergence(results)
     assert first is not None and results[first].phase == "backward"
     assert results[first].norm_error == pytest.approx(1023.0, rel=1e-3)
+
+
+def test_tolerance_of_the_compute_dtype(tmp_path):
+    """float32 entries 0.5% apart diverge by float32's tolerance (0.1%) and agree by that
+    of a bfloat16 compute dtype (5%); `opforge compare --dtype` applies it."""
+    from opforge.precision.dump import compare_steps, first_divergence
+
+    for name, factor in (("a", 1.0), ("b", 1.005)):
+        model = _model()
+        with torch.no_grad():
+            model[-1].weight.mul_(factor)
+        _run(tmp_path / name, model, mode="statistics", steps=1)
+    a, b = (read_step(tmp_path / n / "rank0" / "step0") for n in ("a", "b"))
+    first = first_divergence(compare_steps(a, b))
+    assert first is not None and compare_steps(a, b)[first].key.startswith("4#0")
+    assert first_divergence(compare_steps(a, b, torch.bfloat16)) is None
+    plot = str(tmp_path / "c.png")
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", plot]) == 1
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--dtype", "bfloat16",
+                 "--plot", plot]) == 0

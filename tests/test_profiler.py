@@ -480,3 +480,14 @@ def test_compilation_inside_a_profile_is_left_out(tmp_path):
     assert [k.type for k in result.kernels].count("opforge::rms_norm") == 2
     assert any("torch.compile compiled" in note for note in result.meta.notes)
     assert not any("dynamo" in o.call_stack for o in result.operators)
+
+
+def test_bench_command_refuses_bad_requests(tmp_path, capsys):
+    assert cli.main(["bench", "softmax_backward", "--device", "cpu", "--out", str(tmp_path),
+                     "--quiet"]) == 2
+    assert "no benchmark sweep" in capsys.readouterr().out
+    assert cli.main(["bench", "no_such_op", "--out", str(tmp_path), "--quiet"]) == 2
+    for shapes in ("4xa", "0x8"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["bench", "softmax", "--shapes", shapes])
+        assert exit_.value.code == 2

@@ -194,7 +194,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import torch
 
     from opforge.precision.dump import (
         DumpError,
@@ -214,8 +214,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if names_a != names_b:
             raise DumpError(f"the runs hold different steps: {[str(n) for n in names_a]} vs "
                             f"{[str(n) for n in names_b]}")
-        compared = [(name, compare_steps(read_step(run_a / name), read_step(run_b / name)))
-                    for name in names_a]
+        tolerance = getattr(torch, args.dtype) if args.dtype else None
+        compared = [(name, compare_steps(read_step(run_a / name), read_step(run_b / name),
+                                         tolerance)) for name in names_a]
     except DumpError as error:
         console.print(f"[red]error:[/] {error}")
         return 2
@@ -332,12 +333,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from opforge.profiler import bench
 
-    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else None)
-    results, files = bench.run(args.ops or None, device=args.device,
-                               dtype=getattr(torch, args.dtype), out_dir=args.out,
-                               shapes=shapes, compile=not args.no_compile,
-                               progress=not args.quiet)
+    try:
+        results, files = bench.run(args.ops or None, device=args.device,
+                                   dtype=getattr(torch, args.dtype), out_dir=args.out,
+                                   shapes=args.shapes, compile=not args.no_compile,
+                                   progress=not args.quiet)
+    except ValueError as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
     table = Table(title="opforge bench")
     for column in ("op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "vs torch", "error"):
         table.add_column(column, overflow="fold")
@@ -350,13 +353,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if any(r.error and r.impl == "opforge" for r in results) else 0
 
 
-def _model_sizes(text: str | None) -> dict[str, int]:
-    if not text:
-        return {}
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    """``1024x4096,4096x4096`` as shapes (argparse type: a malformed size is a usage
+    error)."""
+    try:
+        shapes = [tuple(int(d) for d in size.split("x")) for size in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not sizes like 1024x4096,4096x4096"
+                                         ) from None
+    if any(d <= 0 for shape in shapes for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
+    return shapes
+
+
+def _model_sizes(text: str) -> dict[str, int]:
+    """``dim=64,layers=1`` as a dict (argparse type: a malformed item is a usage error)."""
+    from opforge.demo.training import MODEL_SIZES
+
     sizes = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        sizes[key.strip()] = int(value)
+        key = key.strip()
+        if key not in MODEL_SIZES or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not NAME=INTEGER with NAME one of {', '.join(MODEL_SIZES)}")
+        sizes[key] = int(value)
     return sizes
 
 
@@ -365,7 +386,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from opforge import demo
 
-    model = _model_sizes(args.model)
+    model = args.model or {}
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn(), TextColumn("loss {task.fields[loss]}"))
     if args.study:
@@ -434,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="find where two dumped runs diverge")
     compare.add_argument("run_a", help="reference run folder (written by precision.dump)")
     compare.add_argument("run_b", help="run to check")
+    compare.add_argument("--dtype", default=None, choices=["float16", "bfloat16"],
+                         help="judge every entry with at least this dtype's tolerance (the "
+                              "compute dtype of an autocast run)")
     compare.add_argument("--plot", default="reports/compare.png",
                          help="PNG of error against depth ('' for none)")
     sub.add_parser("doctor", help="versions, devices, backend, hardware profile")
@@ -460,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
     bench.add_argument("--dtype", default="bfloat16",
                        choices=["float32", "float16", "bfloat16"])
-    bench.add_argument("--shapes", default=None,
+    bench.add_argument("--shapes", default=None, type=_shapes,
                        help="sizes instead of the operators' sweeps, e.g. 1024x4096,4096x4096")
     bench.add_argument("--out", default="bench_results", help="directory of the results")
     bench.add_argument("--no-compile", action="store_true", help="skip torch.compile")
@@ -472,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=int, default=32)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
-    demo.add_argument("--model", default=None,
+    demo.add_argument("--model", default=None, type=_model_sizes,
                       help="model sizes, e.g. dim=64,layers=1,heads=2,hidden=64,experts=4,k=2")
     demo.add_argument("--profile-from", type=int, default=10, help="first profiled step")
     demo.add_argument("--profile-steps", type=int, default=3, help="steps profiled")

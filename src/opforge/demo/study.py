@@ -69,13 +69,15 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def divergence(reference: Path, run: Path, steps: Sequence[int]) -> Divergence:
-    """The first of ``steps`` at which the dump of ``run`` diverges from ``reference``."""
+def divergence(reference: Path, run: Path, steps: Sequence[int],
+               tolerance: torch.dtype | None = None) -> Divergence:
+    """The first of ``steps`` at which the dump of ``run`` diverges from ``reference``,
+    each entry judged with at least ``tolerance``'s tolerance (the run's compute dtype)."""
     compared = 0
     for step in steps:
         try:
             results = compare_steps(read_step(reference / "rank0" / f"step{step}"),
-                                    read_step(run / "rank0" / f"step{step}"))
+                                    read_step(run / "rank0" / f"step{step}"), tolerance)
         except DumpError as error:
             return Divergence(None, compared_steps=compared, error=str(error))
         compared += 1
@@ -161,7 +163,10 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
         "low dtype, its norms and softmax statistics in float32). Statistics of every "
         "module's activations and gradients were dumped at steps "
         f"{', '.join(map(str, dump_steps))} and compared with the float32 run's as "
-        "`opforge compare` does (tolerance of the lower-precision dtype: cosine and norm).",
+        "`opforge compare --dtype <the run's dtype>` does: each entry is judged by the "
+        "cosine and norm tolerance of the run's compute dtype (or of the entry's dtype when "
+        "that is lower), because under autocast a float32 tensor such as the residual "
+        "stream carries the errors of the low-precision products that fed it.",
         "",
         "| run | final train loss | last validation loss | first non-finite step | "
         "skipped steps | first divergence from float32 | monitor alerts | time (s) |",
@@ -219,7 +224,7 @@ def run_study(out_dir: Path, *, steps: int = 400, batch: int = 32,
     reference = out_dir / "dumps" / _slug(runs[0].name)
     divergences = {run.config.name: divergence(reference,
                                                 out_dir / "dumps" / _slug(run.config.name),
-                                                dump_steps)
+                                                dump_steps, getattr(torch, run.config.dtype))
                    for run in results[1:]}
     plot = plot_losses(results, out_dir / "loss_curves.png",
                        "tiny MoE LM: the same model and seed in five precision settings")

@@ -33,6 +33,7 @@ from opforge.precision.dump import dump
 from opforge.precision.monitor import Alert, Monitor
 
 EXAMPLE_ENV = "OPFORGE_EXAMPLE_DIR"
+MODEL_SIZES = ("dim", "layers", "heads", "hidden", "experts", "k")
 
 
 def example_dir() -> Path:
@@ -154,6 +155,9 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
           on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """Train the tiny MoE language model once.
 
+    Raises:
+        ValueError: ``config.model`` names a size outside `MODEL_SIZES`.
+
     Args:
         config: the run.
         device: where it trains (the Triton backend on a GPU, the torch backend on the CPU);
@@ -166,6 +170,10 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
     """
     from opforge.profiler import profile
 
+    unknown = sorted(set(config.model) - set(MODEL_SIZES))
+    if unknown:
+        raise ValueError(f"unknown model size(s) {', '.join(unknown)}; the model takes "
+                         f"{', '.join(MODEL_SIZES)}")
     example = load_example()
     device = resolve_device(device)
     dtype = getattr(torch, config.dtype)

@@ -284,9 +284,9 @@ class EntryComparison:
     norm_error: float = 0.0
 
 
-def _lower_precision(a: str, b: str) -> torch.dtype:
-    dtypes = [getattr(torch, a), getattr(torch, b)]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits)
+def _lower_precision(*dtypes: str | torch.dtype | None) -> torch.dtype:
+    chosen = [getattr(torch, d) if isinstance(d, str) else d for d in dtypes if d is not None]
+    return min(chosen, key=lambda d: torch.finfo(d).bits)
 
 
 def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Metrics:
@@ -300,9 +300,12 @@ def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Met
     return compare_tensors(vector(entry_b), vector(entry_a), dtype=torch.float64)
 
 
-def compare_steps(a: StepDump, b: StepDump) -> list[EntryComparison]:
+def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
+                  ) -> list[EntryComparison]:
     """Compare two dumps of one step entry by entry, in call order; ``a`` is the
-    reference.
+    reference. Each entry is judged by the tolerance of the lower-precision dtype of its
+    two sides, or of ``tolerance`` when that is lower: the compute dtype of a run under
+    autocast, whose float32 tensors (a residual stream, a norm's output) carry its errors.
 
     Raises:
         DumpError: the modes differ, or the entries do not line up (missing keys, other
@@ -322,7 +325,7 @@ def compare_steps(a: StepDump, b: StepDump) -> list[EntryComparison]:
         if entry_a["shape"] != entry_b["shape"]:
             raise DumpError(f"{entry_a['key']}: shape {entry_a['shape']} vs "
                             f"{entry_b['shape']}")
-        dtype = _lower_precision(entry_a["dtype"], entry_b["dtype"])
+        dtype = _lower_precision(entry_a["dtype"], entry_b["dtype"], tolerance)
         if a.tensors is not None and b.tensors is not None:
             metrics = compare_tensors(b.tensors[entry_b["key"]], a.tensors[entry_a["key"]],
                                       dtype=dtype)
