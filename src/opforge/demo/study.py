@@ -109,7 +109,16 @@ def _number(value: float) -> str:
 def findings(runs: Sequence[RunResult], divergences: dict[str, Divergence]) -> list[str]:
     """Statements computed from the measurements, one per run against float32."""
     reference = runs[0]
+    finite = [r for r in runs[1:] if r.first_nonfinite is None]
     lines = []
+    if finite:
+        widest = max(finite, key=lambda r: abs(r.final_loss - reference.final_loss))
+        alerted = [r.config.name for r in runs if r.alerts]
+        lines.append(
+            f"{len(finite)} of {len(runs) - 1} low-precision runs finished with a finite "
+            f"loss, all within {abs(widest.final_loss - reference.final_loss):.3f} of "
+            f"float32's final loss (the widest: {widest.config.name}). Monitor alerts came "
+            + (f"from {', '.join(alerted)} only." if alerted else "from no run."))
     for run in runs[1:]:
         name = run.config.name
         if run.first_nonfinite is not None:
