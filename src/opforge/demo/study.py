@@ -202,7 +202,9 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
               "or output, or in the backward the gradient it produced for its input (`<model>` "
               "is the whole model); the gradients of loss-scaled runs are compared unscaled. "
               "Monitor alerts name the module where a NaN, Inf, overflow or spike first "
-              "appeared in a step.", "", "## Findings", "",
+              "appeared in a step; `<model>`'s backward output is the gradient of the loss "
+              "with respect to the logits, which the loss (computed outside the modules) "
+              "produces.", "", "## Findings", "",
               *[f"- {line}" for line in findings(runs, divergences)], ""]
     return "\n".join(lines)
 
