@@ -13,8 +13,8 @@
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
 #   profiler_tests tests/test_profiler.py (its model profile runs on the GPU there)
-#   profile        `opforge profile` of examples/transformer_block.py (bf16, S 1024) into
-#                  profile_transformer_block/
+#   profile        `opforge profile` of examples/tiny_moe_lm/train.py (bf16, width 512)
+#                  into profile_tiny_moe_lm/
 #   bench          `opforge bench` of every benchmarked operator (eager, compile, Liger)
 #   demo           `opforge demo` on the GPU (the tiny MoE LM on the Triton kernels)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
@@ -91,8 +91,9 @@ step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 
 step profiler_tests "${PROFILER_TESTS_TIMEOUT:-120}" "$PYTHON" -m pytest -q -x \
   -p no:cacheprovider tests/test_profiler.py
 step profile "${PROFILE_TIMEOUT:-120}" "$PYTHON" -m opforge profile \
-  --out "$OUT/profile_transformer_block" -- python examples/transformer_block.py \
-  --device cuda --dtype bfloat16 --batch 4 --seq 1024 --dim 1024 --heads 8 --steps 5
+  --out "$OUT/profile_tiny_moe_lm" -- python examples/tiny_moe_lm/train.py \
+  --device cuda --dtype bfloat16 --batch 64 --seq 256 --dim 512 --heads 8 --hidden 1024 \
+  --steps 8
 step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device cuda \
   --dtype bfloat16 --out "$OUT/bench" --quiet
 step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \

@@ -23,7 +23,7 @@ from opforge.profiler.costs import aten_cost
 
 from .conftest import DEVICE
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformer_block.py"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_moe_lm" / "train.py"
 # A device with round ceilings: 1 TB/s, 100 TFLOP/s in fp32 and 400 in bf16, 10 cores.
 TOY = HardwareProfile("toy", "cuda", 1e12, {torch.float32: 100e12, torch.bfloat16: 400e12},
                       onchip_bytes=1 << 16, core_count=10)
@@ -410,13 +410,16 @@ def test_profile_command_runs_a_script(tmp_path, monkeypatch, capsys):
     out = tmp_path / "prof"
     argv = sys.argv
     code = cli.main(["profile", "--out", str(out), "--", "python", str(EXAMPLE), "--steps",
-                     "2", "--seq", "16", "--dim", "32", "--heads", "2"])
+                     "2", "--batch", "2", "--seq", "16", "--dim", "32", "--heads", "2",
+                     "--hidden", "32", "--layers", "1", "--device", "cpu"])
     assert code == 0 and sys.argv is argv
     printed = capsys.readouterr().out
     assert "step 1: loss" in printed and "Top kernels" in printed
     result = analyse(out)
-    assert {"opforge::attention", "opforge::attention_backward", "opforge::matmul",
-            "opforge::rope", "opforge::rms_norm"} <= {k.type for k in result.kernels}
+    assert {k.type for k in result.kernels} >= {
+        "opforge::attention", "opforge::attention_backward", "opforge::matmul",
+        "opforge::rope", "opforge::rms_norm", "opforge::moe_gating_top_k",
+        "opforge::embedding_dense_grad"}
     assert cli.main(["analyse", str(out), "--top", "3"]) == 0
 
 
