@@ -344,5 +344,9 @@ def sum_to_shape(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
     """``scale *`` the sum of ``grad`` over the dims it was broadcast along from ``shape``
     (the gradient of a broadcast input), in ``dtype``, through `reduce_sum`."""
     dims = broadcast_dims(shape, tuple(grad.shape))
+    if not dims and scale == 1.0:
+        # Nothing was broadcast: the gradient passes through (as torch's own backward
+        # formulas return it) instead of being copied by an empty reduction.
+        return grad.reshape(shape).to(dtype)
     summed = torch.ops.opforge.reduce_sum(grad, list(dims), True, scale)
     return summed.reshape(shape).to(dtype)
