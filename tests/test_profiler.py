@@ -472,6 +472,9 @@ def test_every_benchmarked_operator_builds_its_cpu_case():
         assert opdef.precision.peer is not None
 
 
+# torch warns that the profiler's global module hooks also fire for the OptimizedModule
+# wrapper: the profile gains one more `nn.Module: OptimizedModule` scope, nothing else.
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_compilation_inside_a_profile_is_left_out(tmp_path):
     model = torch.compile(_Model(), fullgraph=True)
     x = torch.randn(16, 64)

@@ -93,7 +93,7 @@ def _run_section(run: RunResult) -> str:
     model = ", ".join(f"{k} {v}" for k, v in c.model.items()) or "defaults"
     first, final = run.losses[0], run.final_loss
     val = run.val_losses[-1][1] if run.val_losses else float("nan")
-    return html_table(["", ""], [
+    return html_table(None, [
         ["device", run.device],
         ["precision", f"{c.dtype}{' + dynamic loss scaling' if c.loss_scaling else ''}"
                       f"{' + naive softmax' if c.naive_softmax else ''}"],

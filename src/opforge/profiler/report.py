@@ -236,13 +236,14 @@ def _stat_cells(stat: Statistic, kind: str) -> list[str]:
             "" if v.roofline_pct is None else f"{v.roofline_pct:.1f}", v.bound]
 
 
-def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """An HTML table of text cells (escaped)."""
+def html_table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
+    """An HTML table of text cells (escaped); no header row when ``header`` is None."""
     esc = html.escape
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    head = ("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr></thead>"
+            if header is not None else "")
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
                    for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def write_trace_view(path: Path, timeline: Any, kernels: Sequence[KernelRow],
