@@ -186,3 +186,15 @@ def test_demo_refuses_unknown_model_sizes(capsys):
     assert exit_.value.code == 2 and "NAME=INTEGER" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown model size"):
         demo.train(demo.RunConfig(steps=1, model={"depth": 2}))
+
+
+def test_demo_model_runs_on_the_triton_kernels():
+    """The same two steps on the Triton kernels (the interpreter on the CPU) as on the torch
+    backend: every operator of the model has a Triton path, and the losses agree."""
+    config = demo.RunConfig(steps=2, batch=2, seq=16, model=TINY)
+    with opforge.use_backend("torch"):
+        reference = demo.train(config, device=DEVICE)
+    with opforge.use_backend("triton"):
+        triton = demo.train(config, device=DEVICE)
+    assert triton.losses == pytest.approx(reference.losses, rel=1e-4)
+    assert triton.val_losses[0][1] == pytest.approx(reference.val_losses[0][1], rel=1e-4)
