@@ -280,7 +280,9 @@ def _apply(values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str
            backward: bool, compute_dtype: torch.dtype, magnitudes: bool) -> torch.Tensor:
     """The index form of the module docstring, in ``compute_dtype``."""
     values = values.to(compute_dtype)
-    cos, sin = (t.to(compute_dtype).expand(values.shape) for t in (cos, sin))
+    # The tables are gathered before they broadcast against the values: gathering the
+    # broadcast view would materialise a table as large as the values.
+    cos, sin = (t.to(compute_dtype) for t in (cos, sin))
     source, cos_index, partner, sin_index, sign = (
         t.to(values.device) for t in _indices(values.shape[-1], mode, backward))
     sign = sign.to(compute_dtype)
