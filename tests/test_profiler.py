@@ -130,9 +130,14 @@ def _x(name, cat, ts, dur, tid=1, pid=1, **args):
 
 def _gpu_trace():
     """One step of 100 us: an opforge softmax (one kernel), an aten::mm (its kernel linked
-    by correlation only), an opforge attention_backward (two kernels) and an all-reduce on
-    another stream that overlaps them."""
+    by correlation only), an opforge attention_backward run as a plan (two kernels) and an
+    all-reduce on another stream that overlaps them."""
     events = [
+        # The device's copies of annotations, listed first, share their External ids.
+        _x("opforge::attention_backward#2", "gpu_user_annotation", 70, 12, tid=7, pid=0,
+           **{"External id": 14}),
+        _x("ProfilerStep#1", "gpu_user_annotation", 30, 52, tid=7, pid=0,
+           **{"External id": 1}),
         _x("ProfilerStep#1", "user_annotation", 0, 100, **{"External id": 1}),
         _x("opforge::softmax", "cpu_op", 5, 20, **{"External id": 10,
                                                      "Input Dims": [[4, 256], []],
@@ -142,7 +147,7 @@ def _gpu_trace():
         _x("aten::mm", "cpu_op", 30, 10, **{"External id": 12, "Input Dims": [[64, 32], [32, 16]],
                                              "Input type": ["float", "float"]}),
         _x("cudaLaunchKernel", "cuda_runtime", 32, 4, correlation=101),
-        _x("opforge::attention_backward", "cpu_op", 45, 20, **{"External id": 13}),
+        # attention_backward's plan is run directly (no dispatcher op around it).
         _x("opforge::attention_backward#2", "user_annotation", 46, 18, **{"External id": 14}),
         _x("cudaLaunchKernel", "cuda_runtime", 47, 2, correlation=102, **{"External id": 14}),
         _x("cudaLaunchKernel", "cuda_runtime", 50, 2, correlation=103, **{"External id": 14}),

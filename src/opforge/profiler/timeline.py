@@ -158,9 +158,11 @@ def parse(traces: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str
         records: opforge's plan records by sequence number (the ``#n`` of an
             ``opforge::<op>#n`` annotation).
     """
+    # Device-side copies of the host annotations (``gpu_user_annotation``) share their
+    # External ids and would take the host events' place: they are left out.
     raw = [e for trace in traces for e in trace.get("traceEvents", [])
            if e.get("ph") == "X" and isinstance(e.get("ts"), int | float)
-           and e.get("cat") != "Trace"]
+           and e.get("cat") not in ("Trace", "gpu_user_annotation")]
     start = min((float(e["ts"]) for e in raw), default=0.0)
     events = [Event(str(e.get("name", "")), str(e.get("cat", "")), float(e["ts"]) - start,
                     float(e.get("dur", 0.0)), e.get("pid"), e.get("tid"),
