@@ -58,6 +58,8 @@ class Divergence:
 
 @dataclass
 class StudyResult:
+    """The runs, where each left float32, the dumped steps, the Markdown and the files."""
+
     runs: list[RunResult]
     divergences: dict[str, Divergence]
     dump_steps: list[int]

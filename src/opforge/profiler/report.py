@@ -57,6 +57,7 @@ class Report:
 
     @property
     def hardware(self) -> HardwareProfile:
+        """The profile the verdicts are judged against."""
         return self.meta.hardware_profile()
 
     def by_type(self) -> list[Statistic]:
@@ -100,6 +101,7 @@ class Report:
         (out_dir / "report.html").write_text(self.html(out_dir / "roofline.png"))
 
     def plot(self, path: Path) -> Path:
+        """``roofline.png``: each kernel group against the roofs."""
         stats = [s for s in self.by_name() if s.verdict.bound != roofline.UNKNOWN]
         points = [(s.type, s.verdict.intensity or 0.0, (s.verdict.tflops or 0.0) * 1e12,
                    s.ratio / 100, s.verdict.bound) for s in stats]
@@ -111,6 +113,7 @@ class Report:
     # -- summary --------------------------------------------------------------------------
 
     def summary_lines(self) -> list[str]:
+        """Device, ceilings, steps and totals, with notes on the ceilings' trust."""
         hw = self.hardware
         kernel_us = sum(k.duration_us for k in self.kernels)
         stage_us = sum(s.stage for s in self.steps)
@@ -154,6 +157,7 @@ class Report:
             console.print(f"[bold]{stat.type}[/bold]: {line}")
 
     def _type_of(self, name: str) -> str:
+        """The operator type of the kernels called ``name``."""
         return next((k.type for k in self.kernels if k.name == name), "")
 
     # -- HTML -----------------------------------------------------------------------------

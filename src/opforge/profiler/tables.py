@@ -70,6 +70,7 @@ class KernelRow:
         return torch.float32
 
     def verdict(self, hardware: HardwareProfile) -> Verdict:
+        """This launch against ``hardware``'s roofline."""
         return judge(self.flops, self.bytes_moved, self.duration_us * 1e-6, hardware,
                      self.dtype)
 
@@ -121,6 +122,7 @@ class ProfileMeta:
 
     @staticmethod
     def describe(hardware: HardwareProfile) -> dict[str, Any]:
+        """``hardware`` as JSON-ready figures (what `hardware_profile` rebuilds)."""
         return {"name": hardware.name, "device_type": hardware.device_type,
                 "memory_bandwidth": hardware.memory_bandwidth,
                 "peak_flops": {str(d).removeprefix("torch."): v
@@ -129,6 +131,7 @@ class ProfileMeta:
                 "source": hardware.source}
 
     def hardware_profile(self) -> HardwareProfile:
+        """The `HardwareProfile` the verdicts are judged against."""
         h = self.hardware
         return HardwareProfile(h["name"], h["device_type"], float(h["memory_bandwidth"]),
                                {getattr(torch, k): float(v) for k, v in h["peak_flops"].items()},
@@ -154,6 +157,7 @@ class Statistic:
 
     @property
     def avg_us(self) -> float:
+        """Mean duration of a call."""
         return self.total_us / self.count
 
 
@@ -205,6 +209,7 @@ def _write(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> 
 
 
 def write_kernels(path: Path, kernels: Sequence[KernelRow], hardware: HardwareProfile) -> Path:
+    """``kernel_details.csv``: one row per launch, verdicts against ``hardware``."""
     return _write(path, KERNEL_COLUMNS, (
         [k.name, k.type, k.core, _number(k.start_us), _number(k.duration_us),
          _number(k.wait_us), "" if k.block_num is None else k.block_num, k.input_shapes,
@@ -213,6 +218,7 @@ def write_kernels(path: Path, kernels: Sequence[KernelRow], hardware: HardwarePr
 
 
 def write_operators(path: Path, operators: Sequence[OperatorRow]) -> Path:
+    """``operator_details.csv``: one row per operator call."""
     return _write(path, OPERATOR_COLUMNS, (
         [o.name, o.input_shapes, o.call_stack, _number(o.host_self_us),
          _number(o.host_total_us), _number(o.device_self_us), _number(o.device_total_us),
@@ -221,6 +227,7 @@ def write_operators(path: Path, operators: Sequence[OperatorRow]) -> Path:
 
 
 def write_statistics(path: Path, stats: Sequence[Statistic], device_id: str) -> Path:
+    """``op_statistic.csv``: one row per kernel group."""
     return _write(path, STATISTIC_COLUMNS, (
         [device_id, s.type, s.core, s.count, _number(s.total_us), _number(s.avg_us),
          _number(s.min_us), _number(s.max_us), _number(s.ratio, 2), _count(s.flops),
@@ -228,6 +235,7 @@ def write_statistics(path: Path, stats: Sequence[Statistic], device_id: str) -> 
 
 
 def write_steps(path: Path, steps: Sequence[StepRow]) -> Path:
+    """``step_trace_time.csv``: one row per step."""
     return _write(path, STEP_COLUMNS, (
         [s.step, *(_number(v) for v in (s.computing, s.communication_not_overlapped,
                                          s.overlapped, s.communication, s.free, s.stage,
@@ -235,6 +243,7 @@ def write_steps(path: Path, steps: Sequence[StepRow]) -> Path:
 
 
 def write_meta(path: Path, meta: ProfileMeta) -> Path:
+    """``profile_meta.json``."""
     path.write_text(json.dumps(asdict(meta), indent=2))
     return path
 
@@ -254,6 +263,7 @@ def _optional(text: str) -> float | None:
 
 
 def read_kernels(path: Path) -> list[KernelRow]:
+    """Rows of a ``kernel_details.csv`` (`ValueError` on other columns)."""
     return [KernelRow(r["Name"], r["Type"], r["Accelerator Core"], float(r["Start Time(us)"]),
                       float(r["Duration(us)"]), float(r["Wait Time(us)"] or 0),
                       int(r["Block Num"]) if r["Block Num"] else None, r["Input Shapes"],
@@ -262,6 +272,7 @@ def read_kernels(path: Path) -> list[KernelRow]:
 
 
 def read_operators(path: Path) -> list[OperatorRow]:
+    """Rows of an ``operator_details.csv`` (`ValueError` on other columns)."""
     return [OperatorRow(r["Name"], r["Input Shapes"], r["Call Stack"],
                         float(r["Host Self Duration(us)"]), float(r["Host Total Duration(us)"]),
                         float(r["Device Self Duration(us)"]),
@@ -271,9 +282,11 @@ def read_operators(path: Path) -> list[OperatorRow]:
 
 
 def read_steps(path: Path) -> list[StepRow]:
+    """Rows of a ``step_trace_time.csv`` (`ValueError` on other columns)."""
     return [StepRow(r["Step"], *(float(r[c]) for c in STEP_COLUMNS[1:]))
             for r in _read(path, STEP_COLUMNS)]
 
 
 def read_meta(path: Path) -> ProfileMeta:
+    """A ``profile_meta.json``."""
     return ProfileMeta(**json.loads(path.read_text()))
