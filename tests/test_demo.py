@@ -118,6 +118,7 @@ def test_study_code_path_on_tiny_sizes(tmp_path):
         assert (found.step is None) == (found.compared_steps == 3 and not found.entry)
     # Every run started from the same weights on the same batch.
     assert len({round(r.losses[0], 1) for r in result.runs}) == 1
+    assert all(r.peaks["near_underflow"].phase == "backward" for r in result.runs)
     for name in ("study.md", "study.json", "loss_curves.png"):
         assert (tmp_path / "study" / name).exists()
     text = (tmp_path / "docs" / "precision-study.md").read_text()

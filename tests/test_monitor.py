@@ -224,3 +224,24 @@ def test_alerts_carry_the_distributed_rank(tmp_path):
         assert mon.alerts and all(a.rank == 0 for a in mon.alerts)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("factor", [1.0, 1e-6])
+def test_detailed_mode_keeps_the_gradients_nearest_underflow(factor):
+    """Scaling the loss by 1e-6 pushes the gradients below float16's normal range: the
+    peak share says so, and names a gradient (backward) record and its step."""
+    model = _model()
+    generator = torch.Generator().manual_seed(1)
+    with Monitor(model, detailed=True) as mon:
+        for _ in range(2):
+            (model(torch.randn(4, 8, generator=generator)).sum() * factor).backward()
+            mon.step()
+            model.zero_grad()
+    peak = mon.peaks["near_underflow"]
+    assert peak.phase == "backward" and peak.step in (0, 1)
+    if factor == 1.0:
+        assert peak.value < 0.05
+    else:
+        assert peak.value > 0.9
+    assert "near_overflow" in mon.peaks
+    assert Monitor(model).peaks == {}

@@ -104,6 +104,13 @@ def _alert_text(run: RunResult) -> str:
               f"{first.module or '<model>'} ({first.phase} {first.io})")
 
 
+def _underflow_text(run: RunResult) -> str:
+    peak = run.peaks.get("near_underflow")
+    if peak is None:
+        return "-"
+    return f"{100 * peak.value:.1f}% of `{peak.module or '<model>'}` ({peak.io}), step {peak.step}"
+
+
 def _number(value: float) -> str:
     return f"{value:.3f}" if math.isfinite(value) else str(value)
 
@@ -152,6 +159,8 @@ def findings(runs: Sequence[RunResult], divergences: dict[str, Divergence]) -> l
         elif found is not None:
             text += (f" Its statistics stayed within the run-compare tolerance at all "
                      f"{found.compared_steps} dumped steps.")
+        text += (f" Gradient nearest underflow: {_underflow_text(run)} (float32: "
+                 f"{_underflow_text(reference)}).")
         text += f" Monitor alerts: {_alert_text(run)}."
         lines.append(text)
     return lines
@@ -180,8 +189,9 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
         "stream carries the errors of the low-precision products that fed it.",
         "",
         "| run | final train loss | last validation loss | first non-finite step | "
-        "skipped steps | first divergence from float32 | monitor alerts | time (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "skipped steps | first divergence from float32 | gradient nearest underflow | "
+        "monitor alerts | time (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         found = divergences.get(run.config.name)
@@ -198,7 +208,7 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
             f"| {run.config.name} | {_number(run.final_loss)} | {_number(val)} | "
             f"{'-' if run.first_nonfinite is None else run.first_nonfinite} | "
             f"{run.skipped_steps if run.config.loss_scaling else '-'} | {where} | "
-            f"{_alert_text(run)} | {run.seconds:.0f} |")
+            f"{_underflow_text(run)} | {_alert_text(run)} | {run.seconds:.0f} |")
     lines += ["", f"![loss curves]({plot_name})", "",
               "An entry is `<module>#<call>.<phase>.<io>.<index>`: a module's forward input "
               "or output, or in the backward the gradient it produced for its input (`<model>` "
@@ -206,7 +216,12 @@ def render(runs: Sequence[RunResult], divergences: dict[str, Divergence],
               "Monitor alerts name the module where a NaN, Inf, overflow or spike first "
               "appeared in a step; `<model>`'s backward output is the gradient of the loss "
               "with respect to the logits, which the loss (computed outside the modules) "
-              "produces.", "", "## Findings", "",
+              "produces. *Gradient nearest underflow*: the largest share, over all steps "
+              "and modules, of a gradient's nonzero values below the smallest normal number "
+              "of its low-precision dtype — for a float32 gradient, float16's (6.1e-05): the "
+              "values float16 would make subnormal or zero; for a float16 or bfloat16 "
+              "gradient, its own subnormals. A loss-scaled run's gradients are measured "
+              "scaled, as its backward computes them.", "", "## Findings", "",
               *[f"- {line}" for line in findings(runs, divergences)], ""]
     return "\n".join(lines)
 
@@ -233,7 +248,8 @@ def run_study(out_dir: Path, *, steps: int = 400, batch: int = 32,
         results.append(train(config, device=device,
                              monitor_log=out_dir / f"{_slug(config.name)}_alerts.jsonl",
                              dump_dir=out_dir / "dumps" / _slug(config.name),
-                             dump_steps=dump_steps, on_step=step_hook))
+                             dump_steps=dump_steps, detailed_monitor=True,
+                             on_step=step_hook))
     reference = out_dir / "dumps" / _slug(runs[0].name)
     divergences = {run.config.name: divergence(reference,
                                                 out_dir / "dumps" / _slug(run.config.name),
@@ -248,7 +264,9 @@ def run_study(out_dir: Path, *, steps: int = 400, batch: int = 32,
         "runs": [{"config": dataclasses.asdict(r.config), "losses": r.losses,
                   "val_losses": r.val_losses, "loss_scales": r.loss_scales,
                   "skipped_steps": r.skipped_steps, "seconds": r.seconds,
-                  "alerts": [dataclasses.asdict(a) for a in r.alerts]} for r in results],
+                  "alerts": [dataclasses.asdict(a) for a in r.alerts],
+                  "peaks": {k: dataclasses.asdict(v) for k, v in r.peaks.items()}}
+                 for r in results],
         "divergences": {k: dataclasses.asdict(v) for k, v in divergences.items()},
         "dump_steps": dump_steps}, indent=1))
     if doc is not None:

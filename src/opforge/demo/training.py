@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from opforge.precision.dump import dump
-from opforge.precision.monitor import Alert, Monitor
+from opforge.precision.monitor import Alert, Monitor, Peak
 
 EXAMPLE_ENV = "OPFORGE_EXAMPLE_DIR"
 MODEL_SIZES = ("dim", "layers", "heads", "hidden", "experts", "k")
@@ -110,6 +110,7 @@ class RunResult:
     profile: Any = None
     parameters: int = 0
     vocab: int = 0
+    peaks: dict[str, Peak] = field(default_factory=dict)
 
     @property
     def first_nonfinite(self) -> int | None:
@@ -151,7 +152,7 @@ def _validation_loss(model: Any, data: Any, config: RunConfig, device: torch.dev
 def train(config: RunConfig, *, device: torch.device | str | None = None,
           monitor_log: Path | None = None, profile_dir: Path | None = None,
           profile_steps: tuple[int, int] = (10, 3), dump_dir: Path | None = None,
-          dump_steps: Sequence[int] = (), sample_chars: int = 0,
+          dump_steps: Sequence[int] = (), sample_chars: int = 0, detailed_monitor: bool = False,
           on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """Train the tiny MoE language model once.
 
@@ -166,6 +167,7 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
         profile_dir: profile ``profile_steps = (first, count)`` steps into this directory.
         dump_dir: statistics dumps of the steps in ``dump_steps`` (for `opforge compare`).
         sample_chars: characters of text to generate after training (0: none).
+        detailed_monitor: the monitor's detailed statistics (their peaks: `Monitor.peaks`).
         on_step: called with (step, loss) after each step (a progress bar).
     """
     from opforge.profiler import profile
@@ -189,7 +191,8 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
     val: list[tuple[int, float]] = []
     skipped = 0
     with contextlib.ExitStack() as stack:
-        monitor = stack.enter_context(Monitor(model, log_path=monitor_log))
+        monitor = stack.enter_context(Monitor(model, log_path=monitor_log,
+                                              detailed=detailed_monitor))
         prof = None
         if profile_dir is not None:
             first, count = profile_steps
@@ -238,4 +241,5 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
                      monitor.summary(), seconds,
                      config.steps * config.batch * config.seq / max(seconds, 1e-9),
                      load, sample, prof.result if prof is not None else None,
-                     sum(p.numel() for p in model.parameters()), data.vocab)
+                     sum(p.numel() for p in model.parameters()), data.vocab,
+                     dict(monitor.peaks))

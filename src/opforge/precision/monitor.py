@@ -131,6 +131,22 @@ def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
     return torch.stack([squares.sqrt(), max_abs, *rest])
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The largest value a detailed statistic reached over the run, and where.
+
+    ``near_overflow`` is over every record; ``near_underflow`` over the gradients (the
+    backward records), where values vanish: the share of a gradient's nonzero values below
+    the smallest normal of its low-precision dtype (float16's for float32 tensors: values
+    that float16 would make subnormal or zero, the ones loss scaling lifts)."""
+
+    value: float
+    module: str
+    phase: str
+    io: str
+    step: int
+
+
 @dataclass
 class _Record:
     module: str
@@ -157,7 +173,8 @@ class Monitor:
         log_path: JSONL file that receives each alert.
         detailed: also count NaN/Inf values and measure the near-overflow/underflow
             shares of every tensor (several extra passes per tensor; without it a NaN,
-            Inf or overflow is still detected, from min/max/mean).
+            Inf or overflow is still detected, from min/max/mean); their largest values and
+            where they occurred are kept in `peaks`.
     """
 
     def __init__(self, model: torch.nn.Module, *, modules: Sequence[str] | None = None,
@@ -187,6 +204,7 @@ class Monitor:
         self._means: dict[tuple[str, str, str], float] = {}
         self._seen: dict[tuple[str, str, str], int] = {}
         self._grad_norm_mean: float | None = None
+        self.peaks: dict[str, Peak] = {}
         self._active = False
         self._failed = False
 
@@ -306,6 +324,8 @@ class Monitor:
         first: dict[str, tuple[_Record, float]] = {}
         spike: tuple[_Record, float, float] | None = None
         for record, row in zip(records, rows):
+            if self.detailed:
+                self._track_peaks(record, row, stat)
             low = record.dtype in _LOW_PRECISION
             norm, max_abs = row[stat["norm"]], row[stat["max_abs"]]
             detailed = self.detailed
@@ -338,6 +358,16 @@ class Monitor:
             self._emit(Alert("spike", record.module, record.phase, record.io, self.steps,
                              self.rank, norm, f"norm {norm:.4g} is over "
                              f"{1 + self.spike_threshold:g}x its running mean {mean:.4g}"))
+
+    def _track_peaks(self, record: _Record, row: list[float], stat: dict[str, int]) -> None:
+        for name in ("near_overflow", "near_underflow"):
+            if name == "near_underflow" and record.phase != "backward":
+                continue
+            value = row[stat[name]]
+            best = self.peaks.get(name)
+            if math.isfinite(value) and (best is None or value > best.value):
+                self.peaks[name] = Peak(value, record.module, record.phase, record.io,
+                                        self.steps)
 
     def _grad_norm_rule(self, norm: float) -> None:
         mean = self._grad_norm_mean
