@@ -502,3 +502,15 @@ def test_bench_command_refuses_bad_requests(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["bench", "softmax", "--shapes", shapes])
         assert exit_.value.code == 2
+
+
+def test_profile_command_runs_a_module(tmp_path, monkeypatch, capsys):
+    (tmp_path / "profiled_module.py").write_text(
+        "import sys, torch, opforge\n"
+        "print('args', sys.argv[1:])\n"
+        "opforge.softmax(torch.randn(8, 8), dim=-1)\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["profile", "--out", str(tmp_path / "p"), "--", "python", "-m",
+                     "profiled_module", "x", "y"]) == 0
+    assert "args ['x', 'y']" in capsys.readouterr().out
+    assert "opforge::softmax" in {k.type for k in analyse(tmp_path / "p").kernels}
