@@ -514,3 +514,21 @@ def test_profile_command_runs_a_module(tmp_path, monkeypatch, capsys):
                      "profiled_module", "x", "y"]) == 0
     assert "args ['x', 'y']" in capsys.readouterr().out
     assert "opforge::softmax" in {k.type for k in analyse(tmp_path / "p").kernels}
+
+
+def test_a_nested_profile_defers_to_the_outer_one(tmp_path):
+    """torch's profiler cannot nest: the inner session warns and records nothing itself,
+    and the outer one records the whole block."""
+    with opforge.profile(tmp_path / "outer") as outer:
+        opforge.softmax(torch.randn(4, 4))
+        with pytest.warns(RuntimeWarning, match="already recording"), \
+                opforge.profile(tmp_path / "inner") as inner:
+            assert inner.nested
+            opforge.rms_norm(torch.randn(4, 4))
+            inner.step()
+    assert inner.result is None and not (tmp_path / "inner" / "report.html").exists()
+    assert {"opforge::softmax", "opforge::rms_norm"} <= {k.type for k in outer.result.kernels}
+    with torch.profiler.profile(), pytest.warns(RuntimeWarning, match="already recording"), \
+            opforge.profile(tmp_path / "under_torch") as under:
+        opforge.softmax(torch.randn(4, 4))
+    assert under.result is None

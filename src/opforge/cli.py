@@ -307,7 +307,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 status = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-    assert prof.result is not None
+    if prof.result is None:
+        console.print("no profile written: another profiler was already recording")
+        return int(status) or 1
     prof.result.print_summary(console)
     console.print(f"profile written to {Path(args.out).resolve()}: open report.html, and "
                   "trace_view.json in https://ui.perfetto.dev")

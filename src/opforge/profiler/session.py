@@ -33,6 +33,9 @@ from opforge.profiler import report, timeline
 from opforge.profiler.tables import ProfileMeta
 
 RAW_DIR = ".kineto"
+# torch's profiler cannot nest (a second session crashes the interpreter): the sessions
+# open in this process, innermost last.
+_open_sessions: list[Profile] = []
 
 
 def _profiler_backend() -> tuple[Any, str, str]:
@@ -146,7 +149,20 @@ class Profile:
 
     # -- the session -----------------------------------------------------------------------
 
+    @property
+    def nested(self) -> bool:
+        """Whether this session found another profiler recording, and records nothing
+        itself (that profiler records the block)."""
+        return self._profiler is None and self in _open_sessions
+
     def __enter__(self) -> Profile:
+        if _open_sessions or torch._C._autograd._profiler_enabled():
+            warnings.warn(f"opforge.profile({str(self.out_dir)!r}): another profiler is "
+                          "already recording; this block is recorded by it, and no report "
+                          "is written here", RuntimeWarning, stacklevel=3)
+            _open_sessions.append(self)
+            return self
+        _open_sessions.append(self)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for stale in (self.out_dir / RAW_DIR).glob("trace_*.json"):
             stale.unlink()
@@ -169,11 +185,16 @@ class Profile:
 
     def step(self) -> None:
         """Mark the end of a training step (advances the schedule)."""
+        if self._profiler is None:
+            return
         with _quiet():
             self._profiler.step()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
+        _open_sessions.remove(self)
+        if self._profiler is None:
+            return
         try:
             with _quiet():
                 self._profiler.__exit__(kind, error, trace)
@@ -230,7 +251,9 @@ def profile(out_dir: str | os.PathLike[str] = "opforge_profile", *,
 
     Yields:
         The `Profile`: call ``prof.step()`` at the end of each step. After the block,
-        ``prof.result`` holds the parsed `report.Report`.
+        ``prof.result`` holds the parsed `report.Report`. Inside another profiling session
+        (torch.profiler cannot nest), the session warns, records nothing itself and its
+        ``result`` stays ``None``: the outer session records the block.
     """
     session = Profile(out_dir, schedule=schedule, record_shapes=record_shapes,
                       with_stack=with_stack, with_modules=with_modules, hardware=hardware)
