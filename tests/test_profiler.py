@@ -532,3 +532,28 @@ def test_a_nested_profile_defers_to_the_outer_one(tmp_path):
             opforge.profile(tmp_path / "under_torch") as under:
         opforge.softmax(torch.randn(4, 4))
     assert under.result is None
+
+
+def test_memory_profile_pairs_allocations_with_releases(tmp_path):
+    """A 256 KiB softmax output, allocated inside the operator and released when dropped;
+    a second one still held when the profile ends."""
+    x = torch.randn(256, 256)
+    with opforge.use_backend("torch"), opforge.profile(tmp_path, profile_memory=True) as prof:
+        first = opforge.softmax(x, dim=-1)
+        del first
+        kept = opforge.softmax(x, dim=-1)
+    rows = [r for r in prof.result.memory if r.size_kb == 256.0]
+    assert len(rows) >= 2
+    released = [r for r in rows if r.release_us is not None]
+    assert released and released[0].duration_us > 0
+    assert released[0].release_total_allocated_mb < released[0].allocation_total_allocated_mb
+    assert any(r.release_us is None for r in rows)
+    assert all(r.name and r.device == "CPU" for r in rows)
+    assert any("peak" in line for line in prof.result.summary_lines())
+    again = analyse(tmp_path)
+    assert [(r.name, r.size_kb) for r in again.memory] == \
+        [(r.name, r.size_kb) for r in prof.result.memory]
+    page = _Sections()
+    page.feed((tmp_path / "report.html").read_text())
+    assert page.sections[-1] == "memory"
+    assert kept.shape == x.shape

@@ -297,7 +297,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     status = 0
     hardware = get_profile(args.hardware) if args.hardware else None
     try:
-        with opforge.profile(args.out, with_stack=args.with_stack, hardware=hardware) as prof:
+        with opforge.profile(args.out, with_stack=args.with_stack,
+                             profile_memory=args.memory, hardware=hardware) as prof:
             try:
                 if kind == "path":
                     runpy.run_path(target, run_name="__main__")
@@ -473,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="judge against this hardware profile (h100, h200, a100, "
                               "ascend910b, cpu)")
     profile.add_argument("--with-stack", action="store_true", help="record Python frames")
+    profile.add_argument("--memory", action="store_true",
+                         help="record allocations (operator_memory.csv, the peak)")
     profile.add_argument("script", nargs=argparse.REMAINDER,
                          help="-- python script.py [args] (or -m module [args])")
     analyse = sub.add_parser("analyse", help="summary and verdicts of a profile directory")

@@ -18,6 +18,8 @@ Files written into the profile directory:
 ``report.html``             one self-contained page: summary, steps, top kernels, verdicts,
                             operator statistics, the plot, advice
 ``profile_meta.json``       device, hardware profile, versions (what `analyse` re-reads)
+``operator_memory.csv``     with ``profile_memory``: one row per allocation (operator, size,
+                            allocation and release times, the allocator's totals)
 ==========================  ===================================================================
 """
 
@@ -27,7 +29,7 @@ import base64
 import html
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,14 @@ from rich.table import Table
 
 from opforge.core.hardware import HardwareProfile
 from opforge.profiler import roofline, tables
-from opforge.profiler.tables import KernelRow, OperatorRow, ProfileMeta, Statistic, StepRow
+from opforge.profiler.tables import (
+    KernelRow,
+    MemoryRow,
+    OperatorRow,
+    ProfileMeta,
+    Statistic,
+    StepRow,
+)
 
 FILES = ("trace_view.json", "kernel_details.csv", "operator_details.csv", "op_statistic.csv",
          "step_trace_time.csv", "roofline.png", "report.html", "profile_meta.json")
@@ -54,6 +63,7 @@ class Report:
     kernels: list[KernelRow]
     operators: list[OperatorRow]
     steps: list[StepRow]
+    memory: list[MemoryRow] = field(default_factory=list)
 
     @property
     def hardware(self) -> HardwareProfile:
@@ -97,6 +107,8 @@ class Report:
                                 self.meta.device)
         tables.write_steps(out_dir / "step_trace_time.csv", self.steps)
         tables.write_meta(out_dir / "profile_meta.json", self.meta)
+        if self.memory:
+            tables.write_memory(out_dir / "operator_memory.csv", self.memory)
         self.plot(out_dir / "roofline.png")
         (out_dir / "report.html").write_text(self.html(out_dir / "roofline.png"))
 
@@ -129,12 +141,25 @@ class Report:
             "operator calls",
         ]
         lines.extend(self.meta.notes)
+        lines.extend(self.memory_lines())
         if hw.source in ("estimate", "runtime", "datasheet"):
             lines.append(f"the ceilings are {hw.source} figures: `opforge calibrate` measures "
                          "this device's copy bandwidth and matmul rate")
         if any((s.verdict.roofline_pct or 0) > 100 for s in self.by_name()):
             lines.append("a roofline % above 100 means the data sat in a cache, or the "
                          "ceilings are too low for this device")
+        return lines
+
+    def memory_lines(self) -> list[str]:
+        """Per device: the allocator's peak, and the operator allocating at that moment."""
+        lines = []
+        for device in dict.fromkeys(r.device for r in self.memory):
+            rows = [r for r in self.memory if r.device == device]
+            peak = max(rows, key=lambda r: r.allocation_total_allocated_mb)
+            held = sum(1 for r in rows if r.release_us is None)
+            lines.append(f"memory on {device}: {len(rows)} allocations, peak "
+                         f"{peak.allocation_total_allocated_mb:.2f} MB allocated (reached in "
+                         f"{peak.name}); {held} still held at the end")
         return lines
 
     def print_summary(self, console: Console | None = None, top: int = TOP) -> None:
@@ -199,7 +224,14 @@ class Report:
             ("advice", "Advice", "<ul>" + "".join(
                 f"<li><b>{esc(stat.type)}</b>: {esc(line)}</li>" for stat, line in flagged)
              + "</ul>" if flagged else "<p>Every kernel among the top reaches a roof.</p>"),
-        ]
+        ] + ([("memory", "Largest allocations", html_table(
+            ["Operator", "Size KB", "Allocated at us", "Held us", "Total allocated MB",
+             "Device"],
+            [[r.name, f"{r.size_kb:.1f}", f"{r.allocation_us:.1f}",
+              "to the end" if r.duration_us is None else f"{r.duration_us:.1f}",
+              f"{r.allocation_total_allocated_mb:.2f}", r.device]
+             for r in sorted(self.memory, key=lambda r: -r.size_kb)[:top]]))]
+             if self.memory else [])
 
     def html(self, plot_path: Path | None = None) -> str:
         """One self-contained page (styles inline, the plot embedded as a data URI)."""
@@ -322,6 +354,8 @@ def analyse(directory: str | Path, hardware: HardwareProfile | None = None) -> R
     meta = tables.read_meta(directory / "profile_meta.json")
     if hardware is not None:
         meta.hardware = ProfileMeta.describe(hardware)
+    memory = directory / "operator_memory.csv"
     return Report(meta, tables.read_kernels(directory / "kernel_details.csv"),
                   tables.read_operators(directory / "operator_details.csv"),
-                  tables.read_steps(directory / "step_trace_time.csv"))
+                  tables.read_steps(directory / "step_trace_time.csv"),
+                  tables.read_memory(memory) if memory.exists() else [])

@@ -87,6 +87,7 @@ class Profile:
     def __init__(self, out_dir: str | os.PathLike[str], *,
                  schedule: Callable[[int], Any] | None = None, record_shapes: bool = True,
                  with_stack: bool = False, with_modules: bool = True,
+                 profile_memory: bool = False,
                  hardware: HardwareProfile | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.result: report.Report | None = None
@@ -94,6 +95,7 @@ class Profile:
         self._record_shapes = record_shapes
         self._with_stack = with_stack
         self._with_modules = with_modules
+        self._profile_memory = profile_memory
         self._hardware = hardware
         self._records: dict[int, dict[str, Any]] = {}
         self._sequence = itertools.count(1)
@@ -172,7 +174,7 @@ class Profile:
         self._profiler = self._module.profile(
             activities=_activities(self._module, self._device), schedule=schedule,
             on_trace_ready=self._save_trace, record_shapes=self._record_shapes,
-            with_stack=self._with_stack)
+            with_stack=self._with_stack, profile_memory=self._profile_memory)
         self._previous_observer = plan_module.set_run_observer(self._observe)
         if self._with_modules:
             hooks = torch.nn.modules.module
@@ -224,7 +226,8 @@ class Profile:
                 "warm-up step)")
         core = device.type.upper()
         result = report.Report(meta, timeline.kernel_rows(parsed, core),
-                               timeline.operator_rows(parsed), timeline.step_rows(parsed))
+                               timeline.operator_rows(parsed), timeline.step_rows(parsed),
+                               timeline.memory_rows(parsed))
         result.write(self.out_dir, parsed)
         return result
 
@@ -233,6 +236,7 @@ class Profile:
 def profile(out_dir: str | os.PathLike[str] = "opforge_profile", *,
             schedule: Callable[[int], Any] | None = None, record_shapes: bool = True,
             with_stack: bool = False, with_modules: bool = True,
+            profile_memory: bool = False,
             hardware: HardwareProfile | None = None) -> Iterator[Profile]:
     """Profile the block and write the report files into ``out_dir``.
 
@@ -246,6 +250,8 @@ def profile(out_dir: str | os.PathLike[str] = "opforge_profile", *,
         record_shapes: record input shapes (needed for the cost of torch's operators).
         with_stack: record Python frames (the framework layer's call stacks); costly.
         with_modules: record each ``nn.Module`` call as a scope.
+        profile_memory: record every allocation and release (``operator_memory.csv``, the
+            peak in the summary).
         hardware: judge the kernels against this profile instead of the device's (its
             calibrated figures when ``opforge calibrate`` has run, else the datasheet's).
 
@@ -256,7 +262,8 @@ def profile(out_dir: str | os.PathLike[str] = "opforge_profile", *,
         ``result`` stays ``None``: the outer session records the block.
     """
     session = Profile(out_dir, schedule=schedule, record_shapes=record_shapes,
-                      with_stack=with_stack, with_modules=with_modules, hardware=hardware)
+                      with_stack=with_stack, with_modules=with_modules,
+                      profile_memory=profile_memory, hardware=hardware)
     with session:
         yield session
 

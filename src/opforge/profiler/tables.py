@@ -37,6 +37,10 @@ STATISTIC_COLUMNS = (
 STEP_COLUMNS = (
     "Step", "Computing", "Communication(Not Overlapped)", "Overlapped", "Communication",
     "Free", "Stage", "Bubble", "Preparing")
+MEMORY_COLUMNS = (
+    "Name", "Size(KB)", "Allocation Time(us)", "Release Time(us)", "Duration(us)",
+    "Allocation Total Allocated(MB)", "Allocation Total Reserved(MB)",
+    "Release Total Allocated(MB)", "Release Total Reserved(MB)", "Device Type")
 FLOATING = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -106,6 +110,23 @@ class StepRow:
     stage: float
     bubble: float = 0.0
     preparing: float = 0.0
+
+
+@dataclass
+class MemoryRow:
+    """One allocation: the operator that made it, its size, when it was released (``None``:
+    still held when the profile ended) and the allocator's totals at both moments."""
+
+    name: str
+    size_kb: float
+    allocation_us: float
+    release_us: float | None
+    duration_us: float | None
+    allocation_total_allocated_mb: float
+    allocation_total_reserved_mb: float
+    release_total_allocated_mb: float | None
+    release_total_reserved_mb: float | None
+    device: str
 
 
 @dataclass
@@ -242,6 +263,15 @@ def write_steps(path: Path, steps: Sequence[StepRow]) -> Path:
                                          s.bubble, s.preparing))] for s in steps))
 
 
+def write_memory(path: Path, rows: Sequence[MemoryRow]) -> Path:
+    """``operator_memory.csv``: one row per allocation."""
+    return _write(path, MEMORY_COLUMNS, (
+        [r.name, _number(r.size_kb), _number(r.allocation_us), _number(r.release_us),
+         _number(r.duration_us), _number(r.allocation_total_allocated_mb),
+         _number(r.allocation_total_reserved_mb), _number(r.release_total_allocated_mb),
+         _number(r.release_total_reserved_mb), r.device] for r in rows))
+
+
 def write_meta(path: Path, meta: ProfileMeta) -> Path:
     """``profile_meta.json``."""
     path.write_text(json.dumps(asdict(meta), indent=2))
@@ -285,6 +315,17 @@ def read_steps(path: Path) -> list[StepRow]:
     """Rows of a ``step_trace_time.csv`` (`ValueError` on other columns)."""
     return [StepRow(r["Step"], *(float(r[c]) for c in STEP_COLUMNS[1:]))
             for r in _read(path, STEP_COLUMNS)]
+
+
+def read_memory(path: Path) -> list[MemoryRow]:
+    """Rows of an ``operator_memory.csv`` (`ValueError` on other columns)."""
+    return [MemoryRow(r["Name"], float(r["Size(KB)"]), float(r["Allocation Time(us)"]),
+                      _optional(r["Release Time(us)"]), _optional(r["Duration(us)"]),
+                      float(r["Allocation Total Allocated(MB)"]),
+                      float(r["Allocation Total Reserved(MB)"]),
+                      _optional(r["Release Total Allocated(MB)"]),
+                      _optional(r["Release Total Reserved(MB)"]), r["Device Type"])
+            for r in _read(path, MEMORY_COLUMNS)]
 
 
 def read_meta(path: Path) -> ProfileMeta:

@@ -20,16 +20,17 @@ Host events nest by time on their thread. Times are microseconds since the first
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opforge.profiler.costs import TORCH_DTYPE_NAMES, aten_cost
-from opforge.profiler.tables import KernelRow, OperatorRow, StepRow
+from opforge.profiler.tables import KernelRow, MemoryRow, OperatorRow, StepRow
 
 OPFORGE_PREFIX = "opforge::"
 _SEQUENCED = re.compile(r"^(opforge::[\w.]+)#(\d+)$")
@@ -123,6 +124,24 @@ def _operator_parent(event: Event) -> Event | None:
     return next((a for a in event.ancestors() if a.layer == "operator"), None)
 
 
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One allocation (``bytes`` > 0) or release (< 0) that ``profile_memory`` recorded."""
+
+    ts: float
+    bytes: int
+    addr: int
+    total_allocated: int
+    total_reserved: int
+    device: str
+    pid: Any
+    tid: Any
+
+
+# c10::DeviceType codes of the profiler's memory events.
+_DEVICE_TYPES = {0: "CPU", 1: "CUDA", 20: "NPU"}
+
+
 @dataclass
 class Timeline:
     """A parsed profile: every event by layer, and the kernels with their owners."""
@@ -130,6 +149,7 @@ class Timeline:
     events: list[Event]
     kernels: list[Event]
     device_kernels: bool
+    memory: list[MemoryEvent] = field(default_factory=list)
 
     @property
     def operators(self) -> list[Event]:
@@ -164,6 +184,10 @@ def parse(traces: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str
            if e.get("ph") == "X" and isinstance(e.get("ts"), int | float)
            and e.get("cat") not in ("Trace", "gpu_user_annotation")]
     start = min((float(e["ts"]) for e in raw), default=0.0)
+    memory = sorted((_memory_event(e, start) for trace in traces
+                     for e in trace.get("traceEvents", [])
+                     if e.get("ph") == "i" and e.get("name") == "[memory]"),
+                    key=lambda m: m.ts)
     events = [Event(str(e.get("name", "")), str(e.get("cat", "")), float(e["ts"]) - start,
                     float(e.get("dur", 0.0)), e.get("pid"), e.get("tid"),
                     dict(e.get("args") or {}), _layer(e)) for e in raw]
@@ -188,13 +212,22 @@ def parse(traces: Sequence[Mapping[str, Any]], records: Mapping[int, Mapping[str
     for kernel in kernels:
         if kernel.owner is not None:
             kernel.owner.kernels.append(kernel)
-    return Timeline(events, sorted(kernels, key=lambda k: k.ts), bool(device))
+    return Timeline(events, sorted(kernels, key=lambda k: k.ts), bool(device), memory)
 
 
 def _is_wrapper(event: Event) -> bool:
     """Autograd nodes, custom-op autograd shims and optimizer steps: operator events that
     only call other operators (their names have no ``namespace::``)."""
     return event.name.startswith(_WRAPPERS) or "::" not in event.name
+
+
+def _memory_event(event: Mapping[str, Any], start: float) -> MemoryEvent:
+    args = event.get("args") or {}
+    code = int(args.get("Device Type", 0))
+    return MemoryEvent(float(event["ts"]) - start, int(args.get("Bytes", 0)),
+                       int(args.get("Addr", 0)), int(args.get("Total Allocated", 0)),
+                       int(args.get("Total Reserved", 0)), _DEVICE_TYPES.get(code, str(code)),
+                       event.get("pid"), event.get("tid"))
 
 
 def _merge_annotations(events: list[Event], by_external: dict[Any, Event]) -> list[Event]:
@@ -368,6 +401,53 @@ def operator_rows(timeline: Timeline) -> list[OperatorRow]:
             device_self, device_total, record.get("backend", ""), record.get("tiling", ""),
             "x".join(str(g) for g in record.get("grid", ())), cost[0] if cost else None,
             cost[1] if cost else None))
+    return rows
+
+
+def _operator_at(timeline: Timeline) -> Callable[[Any, Any, float], str]:
+    """``at(pid, tid, ts)``: the innermost operator running on that thread at ``ts``."""
+    threads: dict[tuple[Any, Any], list[Event]] = {}
+    for event in timeline.events:
+        if event.layer == "operator":
+            threads.setdefault((event.pid, event.tid), []).append(event)
+    starts = {}
+    for key, ops in threads.items():
+        ops.sort(key=lambda e: e.ts)
+        starts[key] = [e.ts for e in ops]
+
+    def at(pid: Any, tid: Any, ts: float) -> str:
+        ops = threads.get((pid, tid), [])
+        index = bisect.bisect_right(starts.get((pid, tid), []), ts) - 1
+        node: Event | None = ops[index] if index >= 0 else None
+        # The last operator to start may have ended: its ancestors may still run.
+        while node is not None and not (node.ts <= ts < node.end and node.layer == "operator"):
+            node = node.parent
+        return node.name if node is not None else ""
+    return at
+
+
+def memory_rows(timeline: Timeline) -> list[MemoryRow]:
+    """One `MemoryRow` per allocation, paired with its release (same device and address),
+    named after the operator that made it."""
+    at = _operator_at(timeline)
+    open_blocks: dict[tuple[str, int], MemoryEvent] = {}
+    pairs: list[tuple[MemoryEvent, MemoryEvent | None]] = []
+    for event in timeline.memory:
+        key = (event.device, event.addr)
+        if event.bytes > 0:
+            open_blocks[key] = event
+        elif key in open_blocks:
+            pairs.append((open_blocks.pop(key), event))
+    pairs += [(alloc, None) for alloc in open_blocks.values()]
+    rows = []
+    for alloc, release in sorted(pairs, key=lambda pair: pair[0].ts):
+        rows.append(MemoryRow(
+            at(alloc.pid, alloc.tid, alloc.ts) or "(outside operators)", alloc.bytes / 1024,
+            alloc.ts, release.ts if release else None,
+            release.ts - alloc.ts if release else None, alloc.total_allocated / 2**20,
+            alloc.total_reserved / 2**20,
+            release.total_allocated / 2**20 if release else None,
+            release.total_reserved / 2**20 if release else None, alloc.device))
     return rows
 
 
