@@ -557,3 +557,15 @@ def test_memory_profile_pairs_allocations_with_releases(tmp_path):
     page.feed((tmp_path / "report.html").read_text())
     assert page.sections[-1] == "memory"
     assert kept.shape == x.shape
+
+
+def test_wait_steps_keep_no_records(tmp_path):
+    """Calls made while the schedule waits leave no plan record behind."""
+    x = torch.randn(8, 8)
+    with opforge.profile(tmp_path, schedule=torch.profiler.schedule(
+            wait=3, warmup=1, active=1)) as prof:
+        for _ in range(5):
+            opforge.softmax(x, dim=-1)
+            prof.step()
+    assert len(prof._records) <= 2
+    assert [k.type for k in prof.result.kernels].count("opforge::softmax") == 1

@@ -110,6 +110,11 @@ class Profile:
     # -- opforge's records -----------------------------------------------------------------
 
     def _observe(self, plan: Any) -> contextlib.AbstractContextManager[Any]:
+        if self._source == "torch.profiler" and not torch._C._autograd._profiler_enabled():
+            # A schedule's wait steps record nothing: keep no record either, so that a
+            # long run profiled in a few steps holds only those steps' records. (Whether
+            # torch_npu's profiler sets this flag is unknown: there every call is kept.)
+            return contextlib.nullcontext()
         sequence = next(self._sequence)
         tiling = plan.tiling
         record = {
