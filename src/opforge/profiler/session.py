@@ -77,14 +77,33 @@ def _tensor_record(spec: Any) -> dict[str, Any] | None:
 
 
 class Profile:
-    """A profiling session; use `profile` to make one.
+    """``with opforge.profile(out_dir) as prof:``: profile the block and write the report
+    files into ``out_dir``; call ``prof.step()`` at the end of each step.
+
+    Args:
+        out_dir: the directory of the files (created): ``trace_view.json``,
+            ``kernel_details.csv``, ``operator_details.csv``, ``op_statistic.csv``,
+            ``step_trace_time.csv``, ``roofline.png``, ``report.html`` and
+            ``profile_meta.json`` (default ``./opforge_profile``).
+        schedule: a ``torch.profiler.schedule(wait=, warmup=, active=, repeat=)``: which
+            steps are recorded. Default: every step.
+        record_shapes: record input shapes (needed for the cost of torch's operators).
+        with_stack: record Python frames (the framework layer's call stacks); costly.
+        with_modules: record each ``nn.Module`` call as a scope.
+        profile_memory: record every allocation and release (``operator_memory.csv``, the
+            peak in the summary).
+        hardware: judge the kernels against this profile instead of the device's (its
+            calibrated figures when ``opforge calibrate`` has run, else the datasheet's).
 
     Attributes:
         out_dir: where the report files go.
-        result: the `report.Report` once the session has ended (``None`` before).
+        result: the parsed `report.Report` once the block has ended (``None`` before,
+            after a failing block, and for a nested session: inside another profiler,
+            which torch cannot nest, the session warns and records nothing itself; the
+            outer one records the block).
     """
 
-    def __init__(self, out_dir: str | os.PathLike[str], *,
+    def __init__(self, out_dir: str | os.PathLike[str] = "opforge_profile", *,
                  schedule: Callable[[int], Any] | None = None, record_shapes: bool = True,
                  with_stack: bool = False, with_modules: bool = True,
                  profile_memory: bool = False,
@@ -166,7 +185,7 @@ class Profile:
         if _open_sessions or torch._C._autograd._profiler_enabled():
             warnings.warn(f"opforge.profile({str(self.out_dir)!r}): another profiler is "
                           "already recording; this block is recorded by it, and no report "
-                          "is written here", RuntimeWarning, stacklevel=3)
+                          "is written here", RuntimeWarning, stacklevel=2)
             _open_sessions.append(self)
             return self
         _open_sessions.append(self)
@@ -237,38 +256,4 @@ class Profile:
         return result
 
 
-@contextlib.contextmanager
-def profile(out_dir: str | os.PathLike[str] = "opforge_profile", *,
-            schedule: Callable[[int], Any] | None = None, record_shapes: bool = True,
-            with_stack: bool = False, with_modules: bool = True,
-            profile_memory: bool = False,
-            hardware: HardwareProfile | None = None) -> Iterator[Profile]:
-    """Profile the block and write the report files into ``out_dir``.
-
-    Args:
-        out_dir: the directory of the files (created): ``trace_view.json``,
-            ``kernel_details.csv``, ``operator_details.csv``, ``op_statistic.csv``,
-            ``step_trace_time.csv``, ``roofline.png``, ``report.html`` and
-            ``profile_meta.json``.
-        schedule: a ``torch.profiler.schedule(wait=, warmup=, active=, repeat=)``: which
-            steps (`Profile.step`) are recorded. Default: every step.
-        record_shapes: record input shapes (needed for the cost of torch's operators).
-        with_stack: record Python frames (the framework layer's call stacks); costly.
-        with_modules: record each ``nn.Module`` call as a scope.
-        profile_memory: record every allocation and release (``operator_memory.csv``, the
-            peak in the summary).
-        hardware: judge the kernels against this profile instead of the device's (its
-            calibrated figures when ``opforge calibrate`` has run, else the datasheet's).
-
-    Yields:
-        The `Profile`: call ``prof.step()`` at the end of each step. After the block,
-        ``prof.result`` holds the parsed `report.Report`. Inside another profiling session
-        (torch.profiler cannot nest), the session warns, records nothing itself and its
-        ``result`` stays ``None``: the outer session records the block.
-    """
-    session = Profile(out_dir, schedule=schedule, record_shapes=record_shapes,
-                      with_stack=with_stack, with_modules=with_modules,
-                      profile_memory=profile_memory, hardware=hardware)
-    with session:
-        yield session
-
+profile = Profile
