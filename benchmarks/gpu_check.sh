@@ -17,14 +17,17 @@
 #                  into profile_tiny_moe_lm/
 #   bench          `opforge bench` of every benchmarked operator (eager, compile, Liger)
 #   demo           `opforge demo` on the GPU (the tiny MoE LM on the Triton kernels)
+#   attention_tuning  benchmarks/attention_tuning.py: the attention block-size sweep
+#                  against SDPA (not in the default STEPS: ask for it)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT, OPFORGE_BENCH_TIMEOUT,
-# DEMO_TIMEOUT) keep each step bounded; the device's 10-minute call does not fit every
-# step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the study and 91 s
-# for the tests), so choose with STEPS. Everything is written under $OUT/run and packed at the end into
-# $OUT/gpu_results.tar.gz (the device tool returns at most 8 files), next to status.txt.
+# DEMO_TIMEOUT, TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
+# not fit every step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the
+# study and 91 s for the tests), so choose with STEPS. Everything is written under
+# $OUT/run and packed at the end into $OUT/gpu_results.tar.gz (the device tool returns at
+# most 8 files), next to status.txt.
 set -euo pipefail
 
 OUT=${OUT:-benchmarks/results/gpu}
@@ -98,6 +101,8 @@ step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device c
   --dtype bfloat16 --out "$OUT/bench" --quiet
 step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \
   --quiet
+step attention_tuning "${TUNING_TIMEOUT:-240}" "$PYTHON" benchmarks/attention_tuning.py \
+  --out "$OUT"
 
 echo "=== summary"
 cat "$OUT/status.txt"
