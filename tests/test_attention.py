@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import opforge
-from opforge.core.opdef import Case
+from opforge.core.opdef import Case, Tiling
 from opforge.ops.attention import causal_mask
 from opforge.precision.attention_study import attention_error_growth, growth
 
@@ -48,6 +48,34 @@ def test_odd_lengths_with_gqa_forward_and_backward(sq, sk, causal, backend):
     dout = torch.randn_like(q)
     grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
     assert_golden(ATTENTION_BACKWARD, Case("odd", (dout, q, k, v, out, lse, None), attrs),
+                  grads)
+
+
+@pytest.mark.parametrize("held, streamed", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(70, 150), (150, 70)])
+def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, held, streamed,
+                                                      monkeypatch):
+    """The GPU tilings hold many blocks of either shape: forced here on the Triton kernels,
+    so that several held and streamed blocks, the unmasked range before the causal
+    diagonal and the masked blocks across it all run, forward and backward, with GQA."""
+    from opforge.ops import attention
+
+    def tiles(sq, sk, d, dv, item, hardware, backward):
+        return [Tiling("flash", {"BLOCK_M": held, "BLOCK_N": streamed, "BLOCK_D": 16,
+                                 "BLOCK_DV": 16}, 0, double_buffered=False)]
+
+    monkeypatch.setattr(attention, "_tiles", tiles)
+    opforge.clear_caches()
+    q, k, v = _qkv(1, 4, 2, sq, sk, 16, seed=sq + held)
+    attrs = {"causal": causal}
+    with opforge.use_backend("triton"):
+        out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn_like(q)
+        grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    opforge.clear_caches()
+    assert_golden(ATTENTION, Case("tiles", (q, k, v), attrs), (out, lse))
+    assert_golden(ATTENTION_BACKWARD, Case("tiles", (dout, q, k, v, out, lse, None), attrs),
                   grads)
 
 

@@ -23,9 +23,11 @@ diagonal or the sequence end apply it.
 Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
 query block and every query head of its group (no atomics: deterministic), and one kernel
-per query block accumulates ``dq``. With ``P = exp(S - lse)`` and ``dS = P * (dP -
-delta)``, the formulas hold for any key subset as long as ``out`` and ``lse`` are those of
-the full attention: the ring attention runs this backward on one key block at a time.
+per query block accumulates ``dq``; the key side computes the transposed products (``S^T
+= K Q^T``), so that no computed tile is transposed on chip. With ``P = exp(S - lse)`` and
+``dS = P * (dP - delta)``, the formulas hold for any key subset as long as ``out`` and
+``lse`` are those of the full attention: the ring attention runs this backward on one key
+block at a time.
 """
 
 from __future__ import annotations
@@ -161,24 +163,23 @@ CUDA_BACKWARD = {64: (64, 64, 4, (3, 2)), 128: (64, 64, 4, (2,)), 256: (64, 32, 
 
 def _shared_bytes(block_m: int, block_n: int, block_d: int, block_dv: int, item: int,
                   stages: int, backward: bool) -> int:
-    """Shared memory of the pass's largest kernel: the streamed tiles once per stage, the
-    held tiles once (forward: q held, k and v streamed; backward query side: q and dout
-    held, k and v streamed; key side: k and v held, q and dout streamed). The model
-    reproduces Triton's figures for the configurations the sweep rejected."""
+    """Shared memory of the pass's kernels: the ``BLOCK_N`` streamed rows once per stage,
+    the ``BLOCK_M`` held rows once (forward: q held, k and v streamed; backward query side:
+    q and dout held, k and v streamed; key side: k and v held, q and dout streamed). The
+    model reproduces Triton's figures for the configurations the H200 sweep rejected."""
     width = (block_d + block_dv) * item
-    if not backward:
-        return stages * block_n * width + block_m * block_d * item
-    return max(stages * block_n * width + block_m * width,
-               stages * block_m * width + block_n * width)
+    return stages * block_n * width + block_m * (width if backward else block_d * item)
 
 
 def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfile,
            backward: bool) -> list[Tiling]:
-    """``BLOCK_M`` queries x ``BLOCK_N`` keys. On CUDA, the sweep's best per head-dim
-    bucket (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer stages then smaller blocks while the
-    shared memory does not fit; on Ascend 64 x 128 (larger blocks suit its cube unit); on
-    the CPU (the interpreter) 64 x 1024. All shrink to the problem, never below 16 (the
-    dot's minimum)."""
+    """``BLOCK_M`` rows held on chip x ``BLOCK_N`` rows streamed past them: queries held
+    and keys streamed in the forward and for dQ, keys held and queries streamed for dK and
+    dV (each kernel keeps its large block in registers and pipelines the small one). On
+    CUDA, the sweep's best per head-dim bucket (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer
+    stages then smaller blocks while the shared memory does not fit; on Ascend 64 x 128
+    (larger blocks suit its cube unit); on the CPU (the interpreter) 64 x 1024. All shrink
+    to the problem, never below 16 (the dot's minimum)."""
     block_d, block_dv = _head_blocks(d, dv)
     widest = max(block_d, block_dv)
     gpu = hardware.device_type == "cuda"
@@ -598,9 +599,11 @@ if triton is not None:
 
     @triton.jit
     def _visible(rows, cols, Sk, offset, CAUSAL: tl.constexpr):
-        visible = (cols < Sk)[None, :]
+        """Which (query, key) pairs are seen; ``rows`` and ``cols`` already broadcast to
+        the tile's orientation (queries x keys, or keys x queries on the key side)."""
+        visible = cols < Sk
         if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + offset)
+            visible = visible & (cols <= rows + offset)
         return visible
 
     @triton.jit
@@ -620,7 +623,8 @@ if triton is not None:
             # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
             scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
             if MASKED:
-                scores = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), scores, NEG_INF)
+                scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
+                                   scores, NEG_INF)
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
             m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
@@ -700,7 +704,8 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
             p = tl.exp2(scores - lse2[:, None])
             if MASKED:
-                p = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), p, 0.0)
+                p = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL), p,
+                             0.0)
             dp = tl.dot(dout, values_t, input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(as_dot_operand(ds, like_ptr, UPCAST), keys, input_precision=PRECISION)
@@ -767,32 +772,36 @@ if triton is not None:
                           stride_qm, stride_qd, stride_dm, stride_dd, cols, start, end, Sq,
                           Sk, offset, D, DV, qk_scale, like_ptr, CAUSAL: tl.constexpr,
                           MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """dK and dV of one key block over the query blocks in [start, end). Rows past Sq
-        read lse = +inf, so their P is exactly 0 without a mask."""
+        """dK and dV of one key block over the query blocks in [start, end), transposed:
+        ``S^T = K Q^T`` (keys x queries), so that ``P^T`` and ``dS^T`` leave their products
+        in the layout of the next product's left operand; a transpose of a computed tile
+        would cost a round trip through shared memory per step. Rows past Sq read lse =
+        +inf, so their P is exactly 0 without a mask."""
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
-        for first_row in range(start, end, BLOCK_M):
-            rows = first_row + tl.arange(0, BLOCK_M)
+        for first_row in range(start, end, BLOCK_Q):
+            rows = first_row + tl.arange(0, BLOCK_Q)
             row_mask = rows < Sq
-            q = dot_operand(q_base + rows[:, None] * stride_qm + dims[None, :] * stride_qd,
-                            row_mask[:, None] & (dims < D)[None, :], UPCAST)
+            q_t = dot_operand(q_base + rows[None, :] * stride_qm + dims[:, None] * stride_qd,
+                              row_mask[None, :] & (dims < D)[:, None], UPCAST)
             dout = dot_operand(dout_base + rows[:, None] * stride_dm
                                + value_dims[None, :] * stride_dd,
                                row_mask[:, None] & (value_dims < DV)[None, :], UPCAST)
             lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
             lse2 = lse2 * LOG2E
             delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
-            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
-            p = tl.exp2(scores - lse2[:, None])
+            scores_t = tl.dot(keys, q_t, input_precision=PRECISION) * qk_scale
+            p_t = tl.exp2(scores_t - lse2[None, :])
             if MASKED:
-                p = tl.where(_visible(rows, cols, Sk, offset, CAUSAL), p, 0.0)
-            dv += tl.dot(tl.trans(as_dot_operand(p, like_ptr, UPCAST)), dout,
+                p_t = tl.where(_visible(rows[None, :], cols[:, None], Sk, offset, CAUSAL),
+                               p_t, 0.0)
+            dv += tl.dot(as_dot_operand(p_t, like_ptr, UPCAST), dout,
                          input_precision=PRECISION)
-            dp = tl.dot(dout, tl.trans(values), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(as_dot_operand(ds, like_ptr, UPCAST)), q,
+            dp_t = tl.dot(values, tl.trans(dout), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(as_dot_operand(ds_t, like_ptr, UPCAST), tl.trans(q_t),
                          input_precision=PRECISION)
         return dk, dv
 
@@ -803,10 +812,10 @@ if triton is not None:
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, D, DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """Per key block of one key/value head: dK and dV summed over every query block of
-        every query head in its group, in a fixed order."""
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Per block of ``BLOCK_K`` keys of one key/value head: dK and dV summed over the
+        ``BLOCK_Q`` query blocks of every query head in its group, in a fixed order."""
         kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, hkv = kv_head // HKV, kv_head % HKV
         k_base = k_ptr + batch * stride_kb + hkv * stride_kh
@@ -814,9 +823,9 @@ if triton is not None:
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
-        for block in range(tl.program_id(0), tl.cdiv(Sk, BLOCK_N), tl.num_programs(0)):
-            first_col = block * BLOCK_N
-            cols = first_col + tl.arange(0, BLOCK_N)
+        for block in range(tl.program_id(0), tl.cdiv(Sk, BLOCK_K), tl.num_programs(0)):
+            first_col = block * BLOCK_K
+            cols = first_col + tl.arange(0, BLOCK_K)
             if WIDE:
                 cols = cols.to(tl.int64)
             k_mask = (cols < Sk)[:, None] & (dims < D)[None, :]
@@ -825,16 +834,16 @@ if triton is not None:
                                k_mask, UPCAST)
             values = dot_operand(v_base + cols[:, None] * stride_vn
                                  + value_dims[None, :] * stride_vd, v_mask, UPCAST)
-            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+            dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
             # Query blocks that see part of the key block (masked), then all of it.
             start = 0
             full_start = 0
             if CAUSAL:
-                start = (tl.maximum(first_col - offset, 0) // BLOCK_M) * BLOCK_M
+                start = (tl.maximum(first_col - offset, 0) // BLOCK_Q) * BLOCK_Q
                 full_start = tl.minimum(
-                    tl.cdiv(tl.maximum(first_col + BLOCK_N - 1 - offset, 0), BLOCK_M)
-                    * BLOCK_M, Sq)
+                    tl.cdiv(tl.maximum(first_col + BLOCK_K - 1 - offset, 0), BLOCK_Q)
+                    * BLOCK_Q, Sq)
                 full_start = tl.maximum(full_start, start)
             for g in range(0, GROUP):
                 head = batch * H + hkv * GROUP + g
@@ -844,13 +853,13 @@ if triton is not None:
                                            lse_ptr + head * Sq, delta_ptr + head * Sq,
                                            stride_qm, stride_qd, stride_dm, stride_dd, cols,
                                            start, full_start, Sq, Sk, offset, D, DV, qk_scale,
-                                           q_ptr, CAUSAL, True, UPCAST, PRECISION, BLOCK_M,
+                                           q_ptr, CAUSAL, True, UPCAST, PRECISION, BLOCK_Q,
                                            BLOCK_D, BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base,
                                            lse_ptr + head * Sq, delta_ptr + head * Sq,
                                            stride_qm, stride_qd, stride_dm, stride_dd, cols,
                                            full_start, Sq, Sq, Sk, offset, D, DV, qk_scale,
-                                           q_ptr, CAUSAL, False, UPCAST, PRECISION, BLOCK_M,
+                                           q_ptr, CAUSAL, False, UPCAST, PRECISION, BLOCK_Q,
                                            BLOCK_D, BLOCK_DV)
             dk_ptrs = dk_ptr + kv_head * Sk * D + cols[:, None] * D + dims[None, :]
             tl.store(dk_ptrs, rounded_for(dk * scale, dk_ptr), mask=k_mask)
@@ -926,12 +935,14 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
             sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(), *q.stride(),
             *k.stride(), *v.stride(), *out.stride(), d, dv, HAS_GRAD_LSE=grad_lse is not None,
             **options)
-    key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_N"]), MAX_PROGRAMS))
+    # The key side holds BLOCK_M keys and streams BLOCK_N queries past them.
+    blocks = {name: options.pop(name) for name in ("BLOCK_M", "BLOCK_N")}
+    key_blocks = max(1, min(cdiv(sk, blocks["BLOCK_M"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
             dout, q, k, v, lse, delta, grad_k, grad_v, sq, sk, h, hkv, h // hkv, first,
             scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(), d,
-            dv, **options)
+            dv, BLOCK_K=blocks["BLOCK_M"], BLOCK_Q=blocks["BLOCK_N"], **options)
 
 
 # ---------------------------------------------------------------------------------------------
