@@ -4,13 +4,22 @@ of `opforge.ops.attention` should pick for each head dim.
 For bf16 ``B=4, H=16, S=4096`` (non-causal) at head dims 64, 128 and 256, each candidate
 configuration is forced as the only tiling, the plan caches are cleared, and the forward
 and the backward (``attention_backward`` alone, from a saved out and lse) are timed with
-``triton.testing.do_bench`` (median), in TFLOP/s by FlashAttention's convention (forward
-4 B H S² D, backward 2.5 times that) next to torch SDPA. A configuration that fails to
-compile (too much shared memory) is reported and skipped.
+`opforge.profiler.bench.time_call` (do_bench's median on a GPU), in TFLOP/s by
+FlashAttention's convention (forward 4 B H S² D, backward 2.5 times that) next to torch
+SDPA's FlashAttention and cuDNN
+backends (their backward timed alone, from a kept autograd graph). A configuration that
+fails to compile (too much shared memory) and a backend that refuses the shape are
+reported and skipped; each configuration's result is compared with the default tiling's
+(relative max difference) so that a fast wrong kernel shows. ``BLOCK_M`` rows are held
+and ``BLOCK_N`` streamed in every kernel: queries held in the forward and for dQ, keys held
+for dK and dV.
 
 Usage (GPU machine)::
 
     PYTHONPATH=src:benchmarks python benchmarks/attention_tuning.py --out DIR
+
+``--device cpu --seq 32`` with ``TRITON_INTERPRET=1`` is a smoke run of the script itself
+(the Triton kernels in the interpreter, the timings meaningless).
 """
 
 from __future__ import annotations
@@ -23,27 +32,66 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import opforge
 from opforge.core.opdef import Tiling
 from opforge.ops import attention
+from opforge.profiler.bench import time_call
 from opforge.profiler.results import environment, write_results
 
-# (BLOCK_M, BLOCK_N, warps, stages)
-FORWARD = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3),
-           (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2))
-BACKWARD = ((64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
-            (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3))
+# (variant, BLOCK_M held, BLOCK_N streamed, warps, stages). Forward: the pointer kernel's
+# best of the first sweep, then the tensor-descriptor variants (TMA copies, with and without
+# a warp-specialized key loop). Backward: square blocks next to large held blocks with
+# short streamed ones, deeper pipelines, and the small blocks that fit head dim 256.
+FORWARD = (("flash", 128, 64, 4, 3), ("flash", 128, 64, 8, 3), ("flash", 64, 64, 4, 3),
+           ("flash", 128, 64, 8, 2), ("flash_tma", 128, 64, 4, 3),
+           ("flash_tma", 128, 64, 8, 3), ("flash_tma", 128, 128, 8, 3),
+           ("flash_tma_ws", 128, 64, 4, 3), ("flash_tma_ws", 128, 128, 8, 2))
+BACKWARD = tuple(("flash", *config) for config in (
+    (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3),
+    (128, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)))
 HEAD_DIMS = (64, 128, 256)
+SDPA_BACKENDS = {"SDPA flash": SDPBackend.FLASH_ATTENTION,
+                 "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
 
 
-def forced(config: tuple[int, int, int, int], d: int) -> Tiling:
-    block_m, block_n, warps, stages = config
+def forced(config: tuple[str, int, int, int, int], d: int) -> Tiling:
+    variant, block_m, block_n, warps, stages = config
     block_d = max(16, 1 << (d - 1).bit_length())
-    return Tiling("flash", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+    return Tiling(variant, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
                             "BLOCK_DV": block_d}, 0, double_buffered=False,
                   options={"warps": warps, "stages": stages})
+
+
+def sdpa_rows(name: str, backend: SDPBackend, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, dout: torch.Tensor, flops: float) -> list[dict[str, object]]:
+    """One SDPA backend's forward and backward (alone, ``retain_graph``) rows."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        with sdpa_kernel([backend]):
+            forward = functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                                        q, k, v)
+            forward_us = time_call(forward, q.device) * 1e6
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves)
+        backward = functools.partial(torch.autograd.grad, out, leaves, dout,
+                                     retain_graph=True)
+        backward_us = time_call(backward, q.device) * 1e6
+    except RuntimeError as error:  # the backend refuses the shape: reported
+        return [{"head_dim": q.shape[-1], "pass": "both", "config": name, "us": None,
+                 "tflops": None, "error": str(error).splitlines()[0][:200]}]
+    return [{"head_dim": q.shape[-1], "pass": kind, "config": name, "us": round(us, 1),
+             "tflops": round(work / us / 1e6, 1)}
+            for kind, us, work in (("forward", forward_us, flops),
+                                   ("backward", backward_us, 2.5 * flops))]
+
+
+def relative_difference(results: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]
+                        ) -> float:
+    """Largest ``max |result - expected| / max |expected|`` over the outputs: a forced
+    configuration is checked against the default tiling's result before its speed counts."""
+    return max(float((r.float() - e.float()).abs().max() / e.float().abs().max())
+               for r, e in zip(results, expected))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,36 +99,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
         "OUT", "benchmarks/results")))
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
+                        help="comma-separated head dims to sweep")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run on the interpreter")
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     original = attention._tiles
     rows = []
     b, h, s = 4, 16, args.seq
-    for d in HEAD_DIMS:
+    for d in (int(text) for text in args.head_dims.split(",")):
         q, k, v, dout = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
                          for _ in range(4))
         flops = 4 * b * h * s * s * d
         out, lse = opforge.attention(q, k, v, return_lse=True)
-        sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v)
-        sdpa_us = do_bench(sdpa, warmup=25, rep=100, return_mode="median") * 1e3
-        rows.append({"head_dim": d, "pass": "forward", "config": "torch SDPA",
-                     "us": round(sdpa_us, 1), "tflops": round(flops / sdpa_us / 1e6, 1)})
+        expected = {"forward": (out,),
+                    "backward": opforge.attention_backward(dout, q, k, v, out, lse)}
+        for name, backend in SDPA_BACKENDS.items():
+            rows += sdpa_rows(name, backend, q, k, v, dout, flops)
         for kind, configs, work in (("forward", FORWARD, flops),
                                     ("backward", BACKWARD, 2.5 * flops)):
             for config in configs:
                 attention._tiles = (lambda *a, config=config, d=d, **kw: [forced(config, d)])
                 opforge.clear_caches()
-                name = "BM{} BN{} w{} s{}".format(*config)
+                name = "{} BM{} BN{} w{} s{}".format(*config)
                 try:
                     call = (functools.partial(opforge.attention, q, k, v)
                             if kind == "forward" else
                             functools.partial(opforge.attention_backward, dout, q, k, v, out,
                                               lse))
-                    call()
-                    torch.cuda.synchronize()
-                    us = do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+                    with opforge.use_backend("triton"):
+                        us = time_call(call, device) * 1e6
+                        results = call()
+                    results = (results,) if kind == "forward" else results
                     row = {"head_dim": d, "pass": kind, "config": name, "us": round(us, 1),
-                           "tflops": round(work / us / 1e6, 1)}
+                           "tflops": round(work / us / 1e6, 1),
+                           "diff": relative_difference(results, expected[kind])}
                 except Exception as error:  # too much shared memory, say: reported
                     row = {"head_dim": d, "pass": kind, "config": name, "us": None,
                            "tflops": None, "error": f"{type(error).__name__}: {error}"[:200]}
@@ -90,10 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment(device)
     lines = ["# Attention block-size sweep", "", f"{env['date']} · {env['device']} · torch "
              f"{env['torch']} · triton {env['triton']} · bf16 B={b} H={h} S={s}", "",
-             "| D | pass | config | µs | TFLOP/s |", "|---|---|---|---:|---:|"]
+             "| D | pass | config | µs | TFLOP/s | max diff / max vs default tiling |",
+             "|---|---|---|---:|---:|---:|"]
     lines += [f"| {r['head_dim']} | {r['pass']} | {r['config']} | {r['us']} | "
-              f"{r['tflops'] if r.get('tflops') else r.get('error', '')} |" for r in rows]
-    flat = [{**env, "error": "", **r} for r in rows]
+              f"{r['tflops'] if r.get('tflops') else r.get('error', '')} | "
+              f"{format(r['diff'], '.2g') if 'diff' in r else ''} |" for r in rows]
+    flat = [{**env, "error": "", "diff": None, **r} for r in rows]
     write_results(args.out, "attention_tuning", flat, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

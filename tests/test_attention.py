@@ -79,6 +79,50 @@ def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, held, stre
                   grads)
 
 
+class _RecordedKernel:
+    """Stands in for a Triton kernel: records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return run
+
+
+@pytest.mark.parametrize("variant", ["flash_tma", "flash_tma_ws"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, d, by_descriptor", [
+    (torch.float32, 16, True), (torch.bfloat16, 24, True),
+    (torch.bfloat16, 12, False)])  # 24-byte rows: not TMA-aligned, the pointer kernel
+def test_descriptor_variants_match_the_golden(variant, causal, dtype, d, by_descriptor,
+                                              monkeypatch):
+    """The forward variants that read keys and values by tensor descriptor (with and
+    without a warp-specialized key loop), on odd lengths with GQA: the descriptor's bounds
+    replace the masks, so blocks past Sk and head columns past D must read 0. Inputs whose
+    rows descriptors cannot address fall back to the pointer kernel."""
+    from opforge.ops import attention
+
+    def tiles(sq, sk, d, dv, item, hardware, backward):
+        block_d = max(16, 1 << (d - 1).bit_length())
+        return [Tiling(variant, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d,
+                                 "BLOCK_DV": block_d}, 0, double_buffered=False)]
+
+    recorded = _RecordedKernel(attention._attention_forward_kernel)
+    monkeypatch.setattr(attention, "_tiles", tiles)
+    monkeypatch.setattr(attention, "_attention_forward_kernel", recorded)
+    opforge.clear_caches()
+    q, k, v = _qkv(2, 4, 2, 45, 70, d, dtype=dtype, seed=d)
+    with opforge.use_backend("triton"):
+        out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
+    opforge.clear_caches()
+    assert [launch["DESCRIPTORS"] for launch in recorded.launches] == [by_descriptor]
+    assert recorded.launches[0]["WARP_SPECIALIZE"] == (by_descriptor and variant.endswith("ws"))
+    assert_golden(ATTENTION, Case("descriptors", (q, k, v), {"causal": causal}), (out, lse))
+
+
 def test_causal_is_aligned_bottom_right(backend):
     """Query i sees keys j <= i + Sk - Sq: the last query sees every key, and with
     Sq == Sk the mask is SDPA's is_causal."""

@@ -18,7 +18,10 @@ through an online softmax: float32 running max and sum, ``scale * log2(e)`` fold
 one float32 multiply before ``exp2``, the probabilities rounded to v's dtype for the
 ``P @ V`` product (the tensor cores' operand), float32 accumulation. No ``Sq x Sk`` matrix
 is ever stored. Blocks entirely visible skip the mask; only blocks crossing the causal
-diagonal or the sequence end apply it.
+diagonal or the sequence end apply it. The tiling's variant ``flash_tma`` reads keys and
+values through on-device tensor descriptors (TMA copies on Hopper and newer; the
+descriptor's bounds replace the masks), ``flash_tma_ws`` also warp-specializes the key
+loop; inputs that descriptors cannot address run the pointer kernel.
 
 Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
@@ -607,36 +610,80 @@ if triton is not None:
         return visible
 
     @triton.jit
-    def _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                      stride_vd, rows, start, end, Sk, offset, D, DV, qk_scale,
-                      CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
-        """Online softmax over the key blocks in [start, end): scores in the log2 domain,
-        float32 running max ``m_i`` and sum ``l_i``."""
-        dims = tl.arange(0, BLOCK_D)
-        value_dims = tl.arange(0, BLOCK_DV)
-        for first_col in range(start, end, BLOCK_N):
+    def _key_value_block(k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
+                         stride_vd, first_col, Sk, D, DV, UPCAST: tl.constexpr,
+                         DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Keys transposed ``[BLOCK_D, BLOCK_N]`` and values ``[BLOCK_N, BLOCK_DV]`` of the
+        block at ``first_col``: by tensor descriptor (TMA copies; rows past Sk and columns
+        past D read 0) or by masked pointer loads."""
+        if DESCRIPTORS:
+            keys_t = tl.trans(k_desc.load([first_col, 0]))  # dot operand, kept in its dtype
+            values = v_desc.load([first_col, 0])  # dot operand, kept in its dtype
+            if UPCAST:
+                keys_t, values = widen(keys_t), widen(values)
+        else:
             cols = first_col + tl.arange(0, BLOCK_N)
+            dims = tl.arange(0, BLOCK_D)
+            value_dims = tl.arange(0, BLOCK_DV)
             keys_t = dot_operand(k_base + cols[None, :] * stride_kn + dims[:, None] * stride_kd,
                                  (cols < Sk)[None, :] & (dims < D)[:, None], UPCAST)
-            # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
-            scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
-            if MASKED:
-                scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
-                                   scores, NEG_INF)
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
             values = dot_operand(v_base + cols[:, None] * stride_vn
                                  + value_dims[None, :] * stride_vd,
                                  (cols < Sk)[:, None] & (value_dims < DV)[None, :], UPCAST)
-            acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, v_base, UPCAST), values,
-                                                input_precision=PRECISION)
-            m_i = m_new
+        return keys_t, values
+
+    @triton.jit
+    def _forward_block(acc, m_i, l_i, q, keys_t, values, rows, first_col, Sk, offset,
+                       qk_scale, like_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One step of the online softmax: scores in the log2 domain, float32 running max
+        ``m_i`` and sum ``l_i``."""
+        # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
+        scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            cols = first_col + tl.arange(0, BLOCK_N)
+            scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
+                              scores, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, like_ptr, UPCAST), values,
+                                            input_precision=PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
+                      stride_kd, stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV,
+                      qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """The online softmax over the key blocks in [start, end). ``WARP_SPECIALIZE``
+        asks Triton to split the loop into producer (TMA copies) and consumer warps; the
+        keyword exists only in Triton versions that have it, so the plain loop never
+        names it."""
+        if WARP_SPECIALIZE:
+            for first_col in tl.range(start, end, BLOCK_N, warp_specialize=True):
+                keys_t, values = _key_value_block(
+                    k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
+                    stride_vd, first_col, Sk, D, DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                    BLOCK_DV)
+                acc, m_i, l_i = _forward_block(acc, m_i, l_i, q, keys_t, values, rows,
+                                               first_col, Sk, offset, qk_scale, v_base,
+                                               CAUSAL, MASKED, UPCAST, PRECISION, BLOCK_N)
+        else:
+            for first_col in range(start, end, BLOCK_N):
+                keys_t, values = _key_value_block(
+                    k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
+                    stride_vd, first_col, Sk, D, DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                    BLOCK_DV)
+                acc, m_i, l_i = _forward_block(acc, m_i, l_i, q, keys_t, values, rows,
+                                               first_col, Sk, offset, qk_scale, v_base,
+                                               CAUSAL, MASKED, UPCAST, PRECISION, BLOCK_N)
         return acc, m_i, l_i
 
     @triton.jit
@@ -645,13 +692,25 @@ if triton is not None:
             stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
             stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D, DV,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, h = head // H, head % H
         q_base = q_ptr + batch * stride_qb + h * stride_qh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        if DESCRIPTORS:
+            # One descriptor per head: its bounds are the head's, so the blocks past Sk
+            # and the columns past D read 0 without a mask (the launcher checked that
+            # the rows are contiguous and 16-byte aligned).
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_kn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, DV],
+                                               strides=[stride_vn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_DV])
+        else:
+            k_desc, v_desc = k_base, v_base
         out_base = out_ptr + head * Sq * DV
         lse_base = lse_ptr + head * Sq
         offset = Sk - Sq
@@ -668,14 +727,16 @@ if triton is not None:
             m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
-            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn,
-                                          stride_kd, stride_vn, stride_vd, rows, 0, full_end,
-                                          Sk, offset, D, DV, qk_scale, CAUSAL, False, UPCAST,
-                                          PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
-            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn,
-                                          stride_kd, stride_vn, stride_vd, rows, full_end, end,
-                                          Sk, offset, D, DV, qk_scale, CAUSAL, True, UPCAST,
-                                          PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
+                                          full_end, Sk, offset, D, DV, qk_scale, CAUSAL,
+                                          False, UPCAST, PRECISION, DESCRIPTORS,
+                                          WARP_SPECIALIZE, BLOCK_N, BLOCK_D, BLOCK_DV)
+            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                                          full_end, end, Sk, offset, D, DV, qk_scale, CAUSAL,
+                                          True, UPCAST, PRECISION, DESCRIPTORS, False,
+                                          BLOCK_N, BLOCK_D, BLOCK_DV)
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
@@ -891,11 +952,49 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor]) -> dict[str, o
             "WIDE": reach > INT32_LIMIT, **plan.tiling.blocks, **launch_options(plan.tiling)}
 
 
+# Forward variants: (keys and values by tensor descriptor, warp-specialized key loop).
+FORWARD_VARIANTS = {"flash": (False, False), "flash_tma": (True, False),
+                    "flash_tma_ws": (True, True)}
+
+
+def _descriptors_usable(*tensors: torch.Tensor) -> bool:
+    """Whether keys and values can be read by tensor descriptor: a Triton that has
+    on-device descriptors, a Hopper-or-newer GPU (or the interpreter), contiguous rows, and
+    every head's rows starting on 16 bytes (TMA's alignment rule)."""
+    if triton is None or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9 or not hasattr(
+                triton, "set_allocator"):
+            return False
+    elif not backends.interpreter_enabled():
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+               for t in tensors)
+
+
+_scratch_allocator_set = False
+
+
+def _use_scratch_allocator() -> None:
+    """On-device descriptors live in global scratch memory that Triton asks its allocator
+    for; set one (torch's caching allocator) the first time a descriptor kernel runs."""
+    global _scratch_allocator_set
+    if not _scratch_allocator_set:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(
+            size, dtype=torch.int8, device="cuda"))
+        _scratch_allocator_set = True
+
+
 @ATTENTION.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """One program per ``BLOCK_M`` queries of one head (persistently); heads in
-    ``program_id(1)``."""
+    ``program_id(1)``. The tiling's variant may read keys and values by tensor descriptor
+    (and warp-specialize the key loop); inputs that descriptors cannot address take the
+    pointer kernel."""
     q, k, v = inputs
     out, lse = outputs
     b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention")
@@ -905,11 +1004,17 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if sk == 0 or sq == 0:
         return
     options = _launch_options(plan, (q, k, v, out))
+    descriptors, warp_specialize = FORWARD_VARIANTS[plan.tiling.variant]
+    if descriptors and not _descriptors_usable(k, v):
+        descriptors = warp_specialize = False
+    if descriptors and k.device.type == "cuda":
+        _use_scratch_allocator()
     qk_scale = _scale_of(plan.attrs, d) * LOG2_E
     for first, count in _head_chunks(b * h):
         _attention_forward_kernel[(plan.grid[0], count)](
             q, k, v, out, lse, sq, sk, h, h // hkv, first, qk_scale, *q.stride(), *k.stride(),
-            *v.stride(), d, dv, **options)
+            *v.stride(), d, dv, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
+            **options)
 
 
 @ATTENTION_BACKWARD.launcher("triton")
