@@ -11,9 +11,10 @@ catastrophically for data far from zero. Without it (RMSNorm) the mean is 0 and 
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
 x_hat))`` (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
-``grad_bias = sum grad`` over rows: each program accumulates its rows into its own row of
-float32 partials in the workspace, and a second kernel sums the partials in program order,
-so the result is deterministic (no atomics).
+``grad_bias = sum grad`` over rows: each program sums its rows into its own row of float32
+partials in the workspace (in registers while whole rows fit on chip, written once at the
+end; a looped row's blocks are added in memory), and a second kernel sums the partials in
+program order, so the result is deterministic (no atomics).
 
 Variants: ``rows`` keeps ``BLOCK_M`` whole rows on chip (one read of each input);
 ``looped`` takes one row at a time in ``BLOCK_N`` blocks (the row is read twice).
@@ -234,20 +235,10 @@ if triton is not None:
             return grad, x_hat, grad
 
     @triton.jit
-    def _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr, partial_w,
-                          partial_b, row, offsets, N, HAS_WEIGHT: tl.constexpr,
-                          HAS_BIAS: tl.constexpr):
-        """grad_x of the block, and its weight/bias terms added to the program's partials
-        (a row of the workspace no other program touches)."""
-        mask = offsets < N
+    def _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets, N):
+        """grad_x of one block of a row."""
         dx = rstd * (grad_w - mean_g - x_hat * mean_gx)
-        tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=mask)
-        if HAS_WEIGHT:
-            acc = tl.load(partial_w + offsets, mask=mask, other=0.0)
-            tl.store(partial_w + offsets, acc + grad * x_hat, mask=mask)
-        if HAS_BIAS:
-            acc = tl.load(partial_b + offsets, mask=mask, other=0.0)
-            tl.store(partial_b + offsets, acc + grad, mask=mask)
+        tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=offsets < N)
 
     @triton.jit
     def norm_backward_kernel(grad_ptr, x_ptr, mean_ptr, rstd_ptr, weight_ptr, dx_ptr,
@@ -255,6 +246,10 @@ if triton is not None:
                              HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                              LOOPED: tl.constexpr, WIDE: tl.constexpr,
                              BLOCK_N: tl.constexpr):
+        """grad_x row by row, and the program's weight and bias terms summed over its rows
+        into its own row of float32 partials (a row of the workspace no other program
+        touches). With whole rows on chip the sums stay in registers until the program
+        ends; a looped row adds its blocks to the partials in memory."""
         cols = tl.arange(0, BLOCK_N)
         program = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -263,13 +258,16 @@ if triton is not None:
             partial_b = partial_ptr + (programs + program) * N
         else:
             partial_b = partial_w
-        for start in range(0, N, BLOCK_N):
-            offsets = start + cols
-            zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
-            if HAS_WEIGHT:
-                tl.store(partial_w + offsets, zeros, mask=offsets < N)
-            if HAS_BIAS:
-                tl.store(partial_b + offsets, zeros, mask=offsets < N)
+        if LOOPED:
+            for start in range(0, N, BLOCK_N):
+                offsets = start + cols
+                zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
+                if HAS_WEIGHT:
+                    tl.store(partial_w + offsets, zeros, mask=offsets < N)
+                if HAS_BIAS:
+                    tl.store(partial_b + offsets, zeros, mask=offsets < N)
+        sum_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+        sum_b = tl.zeros([BLOCK_N], dtype=tl.float32)
         for row in range(program, M, programs):
             if WIDE:
                 row = row.to(tl.int64)
@@ -293,12 +291,19 @@ if triton is not None:
                 else:
                     mean_g = 0.0
                 for start in range(0, N, BLOCK_N):
+                    offsets = start + cols
                     grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
-                                                      start + cols, stride_g, stride_x, N,
-                                                      mean, rstd, HAS_WEIGHT)
-                    _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr,
-                                      partial_w, partial_b, row, start + cols, N, HAS_WEIGHT,
-                                      HAS_BIAS)
+                                                      offsets, stride_g, stride_x, N, mean,
+                                                      rstd, HAS_WEIGHT)
+                    _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets,
+                                  N)
+                    mask = offsets < N
+                    if HAS_WEIGHT:
+                        acc = tl.load(partial_w + offsets, mask=mask, other=0.0)
+                        tl.store(partial_w + offsets, acc + grad * x_hat, mask=mask)
+                    if HAS_BIAS:
+                        acc = tl.load(partial_b + offsets, mask=mask, other=0.0)
+                        tl.store(partial_b + offsets, acc + grad, mask=mask)
             else:
                 grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
                                                   stride_g, stride_x, N, mean, rstd,
@@ -308,8 +313,14 @@ if triton is not None:
                     mean_g = tl.sum(grad_w, axis=0) / N
                 else:
                     mean_g = 0.0
-                _write_grad_block(grad, x_hat, grad_w, rstd, mean_g, mean_gx, dx_ptr,
-                                  partial_w, partial_b, row, cols, N, HAS_WEIGHT, HAS_BIAS)
+                _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, cols, N)
+                sum_w += grad * x_hat
+                sum_b += grad
+        if not LOOPED:
+            if HAS_WEIGHT:
+                tl.store(partial_w + cols, sum_w, mask=cols < N)
+            if HAS_BIAS:
+                tl.store(partial_b + cols, sum_b, mask=cols < N)
 
     @triton.jit
     def sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK: tl.constexpr):
