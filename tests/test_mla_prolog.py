@@ -109,6 +109,32 @@ def test_slot_beyond_the_cache_raises_before_any_write(backend):
     assert raised.value.param == "cache_index" and torch.equal(inputs[10], before)
 
 
+def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
+    """While a CUDA graph is captured the slot check cannot read the indices: the kernel
+    skips a slot beyond the cache instead. The caches are the front of larger buffers, so
+    a write past their end would show in the guard rows behind them."""
+    monkeypatch.setattr(opforge.core.backends, "capturing", lambda device: True)
+    inputs = _inputs(5, seed=8)
+    slots = inputs[10].shape[0] * inputs[10].shape[1]
+    inputs[9][2] = slots + 3
+    guarded = []
+    for i in (10, 11):
+        buffer = torch.full((2 * inputs[i].shape[0], *inputs[i].shape[1:]), 7.0,
+                            dtype=inputs[i].dtype, device=DEVICE)
+        buffer[:inputs[i].shape[0]] = inputs[i]
+        guarded.append(buffer)
+        inputs[i] = buffer[:inputs[i].shape[0]]
+    expected = [t.clone() for t in inputs]
+    expected[9][2] = -1  # what the skipped token amounts to
+    with opforge.use_backend("triton"):
+        ours = _run(inputs)
+        skipped = _run(expected)
+    for mine, theirs in zip(ours, skipped):
+        assert torch.equal(mine, theirs)
+    for buffer, cache in zip(guarded, inputs[10:]):
+        assert (buffer[cache.shape[0]:] == 7.0).all()
+
+
 @pytest.mark.parametrize("index, shape, param", [
     (2, (48, 4 * 30), "weight_uq_qr"),
     (4, (64, 40), "weight_dkv_kr"),

@@ -36,6 +36,13 @@ _logged: set[tuple[str, str]] = set()
 _logged_lock = threading.Lock()
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: a host read of
+    device data (the range check of an index tensor, say) cannot run then, so kernels that
+    take indices also skip the out-of-range ones themselves."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @functools.cache
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported."""

@@ -204,8 +204,11 @@ class Plan:
             out: preallocated output(s) matching `outputs`; allocated when omitted.
             workspace: a uint8 (or any) tensor of at least `workspace_bytes` bytes on the
                 plan's device; taken from the pool when omitted. With ``out`` and
-                ``workspace`` given, `run` allocates nothing and never synchronises, so it
-                can be captured in a CUDA graph.
+                ``workspace`` given, `run` allocates neither outputs nor scratch and does
+                not synchronise, so it can be captured in a CUDA graph (a composite
+                operator's intermediates come from the graph's memory pool; a range check
+                that reads device indices on the host is skipped during capture, see
+                `backends.capturing`).
 
         Returns:
             The output tensor for a single-output operator, else a tuple.

@@ -469,12 +469,13 @@ if triton is not None:
     @triton.jit
     def _mla_kv_kernel(x_ptr, w_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr, kr_ptr,
                        T, HE, HCKV, DR, stride_xt, stride_xk, stride_wk, stride_wn, eps,
-                       block_size, NZ: tl.constexpr, COL0: tl.constexpr,
+                       block_size, slot_count, NZ: tl.constexpr, COL0: tl.constexpr,
                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         """Per block of tokens: kv = x @ W in float32 (latent columns, and the rope columns
         twice, in the rotation's source and partner orders), RMSNorm of the latent row,
-        interleave-half RoPE, scatter of both into the caches."""
+        interleave-half RoPE, scatter of both into the caches (negative slots and slots
+        past ``slot_count`` write nothing)."""
         latent = tl.arange(0, BLOCK_C)
         rope = tl.arange(0, BLOCK_R)
         source, _, partner, _, sign = rope_indices(rope, DR, "interleave_half", False)
@@ -510,7 +511,7 @@ if triton is not None:
             kr = acc_p * cos + sign[None, :] * acc_q * sin
             slots = tl.load(index_ptr + rows, mask=row_mask, other=-1)  # integer index
             slots = slots.to(tl.int64)
-            keep = (slots >= 0) & row_mask
+            keep = (slots >= 0) & (slots < slot_count) & row_mask
             slots = tl.where(keep, slots, 0)
             kv_offsets = _cache_offsets(slots, latent, HCKV, block_size, NZ, COL0)
             tl.store(kv_ptr + kv_offsets, rounded_for(ckv, kv_ptr),
@@ -524,10 +525,17 @@ if triton is not None:
 # Launchers
 
 
+def _slot_count(kv_cache: object) -> int:
+    """BlockNum * BlockSize: the cache rows a slot may name."""
+    return kv_cache.shape[0] * kv_cache.shape[1]
+
+
 def _checked_call(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
     """Contiguous caches (written in place by offset) and every slot below
     BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
-    device-to-host read of the largest slot.
+    device-to-host read of the largest slot, except while a CUDA graph is captured: the
+    read cannot run then, and the kernel skips slots beyond the cache instead (a replay
+    never writes out of bounds, and never raises).
 
     Raises:
         OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
@@ -538,10 +546,9 @@ def _checked_call(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
                           param=name, expected="a contiguous tensor",
                           got=f"strides {cache.stride()}")
     cache_index = inputs[9]
-    if cache_index.numel() == 0:
+    if cache_index.numel() == 0 or backends.capturing(cache_index.device):
         return
-    kv_cache = plan.inputs[10]
-    slots = kv_cache.shape[0] * kv_cache.shape[1]
+    slots = _slot_count(plan.inputs[10])
     largest = int(cache_index.max())
     if largest >= slots:
         raise IndexRangeError("holds a slot beyond the cache", op=NAME, param="cache_index",
@@ -594,7 +601,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         x, w_dkv_kr, gamma_ckv.contiguous(), rows_cos, rows_sin,
         cache_index.reshape(-1).contiguous(), kv_cache,
         kr_cache, t, x.shape[1], hckv, dr, *x.stride(), *w_dkv_kr.stride(),
-        plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1],
+        plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1], _slot_count(kv_cache),
         NZ=plan.attrs["cache_mode"] == "PA_NZ", COL0=col0,
         UPCAST=backends.interpreter_enabled(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiling.blocks,
