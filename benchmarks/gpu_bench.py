@@ -400,7 +400,9 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
              ) -> list[Row]:
     """bf16 MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024 tokens, 128 heads, a
     4096-slot cache) against the same computation composed of torch ops, eager and
-    torch.compile (whose caches are functional copies: its scatter writes a new cache).
+    torch.compile (whose caches are functional copies: its scatter writes a new cache),
+    and both opforge and the eager composition replayed from a CUDA graph (what a decode
+    step does, without the host's launch costs).
     After a check of query and query_rope against the composition (max error relative to
     the largest magnitude, bound 3e-2). TFLOP/s from the operator's cost; the
     ``fraction_of_copy`` column holds the speed relative to torch eager."""
@@ -427,6 +429,14 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
             if compile_peers:
                 impls.append(("torch.compile", functools.partial(
                     torch.compile(_mla_torch, dynamic=False), *inputs)))
+            # Decoding replays a captured step: both sides without their launch costs.
+            for name, call in impls[:2]:
+                graphed = f"{name} (CUDA graph replay)"
+                try:
+                    impls.append((graphed, captured(call, device).replay))
+                except Exception as error:  # a capture that fails is reported
+                    rows.append(_error_row("time", "mla_prolog", shape, "bf16", graphed,
+                                           error))
             timings = {}
             for impl, call in impls:
                 call()
@@ -617,6 +627,21 @@ def measure_case(case: OpCase, compiled: Callable[..., torch.Tensor] | None,
                            _dtype_text(case.inputs[0].dtype), "opforge", error)]
 
 
+def captured(call: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``call`` captured in a CUDA graph, after a warm-up on a side stream as
+    torch.cuda.graphs requires: the first launch compiles the Triton kernels, which must
+    not happen during capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def graph_check(op: str, inputs: Tensors, attrs: dict[str, Any],
                 reference: Callable[..., torch.Tensor], warmup_ms: int, rep_ms: int) -> Row:
     """Capture ``plan.run(*inputs, out=out, workspace=ws)`` in a CUDA graph, refill the
@@ -630,16 +655,8 @@ def graph_check(op: str, inputs: Tensors, attrs: dict[str, Any],
     spec = plan.outputs[0]
     out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
     workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=device)
-    # Warm up on a side stream, as torch.cuda.graphs requires: the first launch compiles the
-    # Triton kernel, which must not happen during capture.
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        plan.run(*inputs, out=out, workspace=workspace)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(*inputs, out=out, workspace=workspace)
+    graph = captured(functools.partial(plan.run, *inputs, out=out, workspace=workspace),
+                     device)
     generator = torch.Generator(device=device).manual_seed(1)
     for tensor in inputs:
         tensor.copy_(torch.randn(tensor.shape, generator=generator, device=device,
