@@ -634,11 +634,17 @@ if triton is not None:
         return keys_t, values
 
     @triton.jit
-    def _forward_block(acc, m_i, l_i, q, keys_t, values, rows, first_col, Sk, offset,
-                       qk_scale, like_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One step of the online softmax: scores in the log2 domain, float32 running max
-        ``m_i`` and sum ``l_i``."""
+    def _forward_step(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
+                      stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV,
+                      qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """One key block of the online softmax: scores in the log2 domain, float32 running
+        max ``m_i`` and sum ``l_i``."""
+        keys_t, values = _key_value_block(k_base, v_base, k_desc, v_desc, stride_kn,
+                                          stride_kd, stride_vn, stride_vd, first_col, Sk, D,
+                                          DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
         # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
         scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
         if MASKED:
@@ -651,7 +657,7 @@ if triton is not None:
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, like_ptr, UPCAST), values,
+        acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, v_base, UPCAST), values,
                                             input_precision=PRECISION)
         return acc, m_new, l_i
 
@@ -668,22 +674,16 @@ if triton is not None:
         names it."""
         if WARP_SPECIALIZE:
             for first_col in tl.range(start, end, BLOCK_N, warp_specialize=True):
-                keys_t, values = _key_value_block(
-                    k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
-                    stride_vd, first_col, Sk, D, DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D,
-                    BLOCK_DV)
-                acc, m_i, l_i = _forward_block(acc, m_i, l_i, q, keys_t, values, rows,
-                                               first_col, Sk, offset, qk_scale, v_base,
-                                               CAUSAL, MASKED, UPCAST, PRECISION, BLOCK_N)
+                acc, m_i, l_i = _forward_step(
+                    acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
+                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
-                keys_t, values = _key_value_block(
-                    k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
-                    stride_vd, first_col, Sk, D, DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D,
-                    BLOCK_DV)
-                acc, m_i, l_i = _forward_block(acc, m_i, l_i, q, keys_t, values, rows,
-                                               first_col, Sk, offset, qk_scale, v_base,
-                                               CAUSAL, MASKED, UPCAST, PRECISION, BLOCK_N)
+                acc, m_i, l_i = _forward_step(
+                    acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
+                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
     @triton.jit
