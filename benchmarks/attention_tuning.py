@@ -47,7 +47,8 @@ from opforge.profiler.results import environment, write_results
 FORWARD = (("flash", 128, 64, 4, 3), ("flash", 128, 64, 8, 3), ("flash", 64, 64, 4, 3),
            ("flash", 128, 64, 8, 2), ("flash_tma", 128, 64, 4, 3),
            ("flash_tma", 128, 64, 8, 3), ("flash_tma", 128, 128, 8, 3),
-           ("flash_tma_ws", 128, 64, 4, 3), ("flash_tma_ws", 128, 128, 8, 2))
+           ("flash_tma", 128, 64, 8, 2), ("flash_tma_ws", 128, 64, 4, 3),
+           ("flash_tma_ws", 128, 128, 8, 2), ("flash_tma_ws", 128, 64, 8, 2))
 BACKWARD = tuple(("flash", *config) for config in (
     (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3),
     (128, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)))

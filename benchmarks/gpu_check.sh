@@ -101,7 +101,7 @@ step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device c
   --dtype bfloat16 --out "$OUT/bench" --quiet
 step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \
   --quiet
-step attention_tuning "${TUNING_TIMEOUT:-330}" "$PYTHON" benchmarks/attention_tuning.py \
+step attention_tuning "${TUNING_TIMEOUT:-400}" "$PYTHON" benchmarks/attention_tuning.py \
   --out "$OUT"
 
 echo "=== summary"
