@@ -290,14 +290,16 @@ def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: to
     return rows
 
 
-# (B, H, Hkv, S, D, causal): MHA at head dims 64, 128 and 256, causal at 4k and 8k, GQA 4:1.
-ATTENTION_SHAPES = ((4, 16, 16, 4096, 64, False), (4, 16, 16, 4096, 128, False),
-                    (4, 16, 16, 4096, 128, True), (2, 16, 16, 8192, 128, True),
-                    (4, 32, 8, 4096, 128, True), (2, 8, 8, 4096, 256, False))
+# (B, H, Hkv, Sq, Sk, D, causal): MHA at head dims 64, 128 and 256, causal at 4k and 8k,
+# GQA 4:1; then decoding with a KV cache (one and 16 new queries, GQA, forward only).
+ATTENTION_SHAPES = ((4, 16, 16, 4096, 4096, 64, False), (4, 16, 16, 4096, 4096, 128, False),
+                    (4, 16, 16, 4096, 4096, 128, True), (2, 16, 16, 8192, 8192, 128, True),
+                    (4, 32, 8, 4096, 4096, 128, True), (2, 8, 8, 4096, 4096, 256, False),
+                    (8, 32, 8, 1, 8192, 128, False), (8, 32, 8, 16, 8192, 128, False))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    # Sq == Sk here, so SDPA's top-left causal mask equals opforge's bottom-right one.
+    # Causal rows have Sq == Sk, where SDPA's top-left mask equals opforge's bottom-right.
     return functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                    enable_gqa=k.shape[1] != q.shape[1])
 
@@ -329,7 +331,8 @@ def _forward_backward(call: Callable[..., torch.Tensor], leaves: Sequence[torch.
 
 
 def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Row]:
-    """bf16 attention, forward and forward + backward: opforge against torch SDPA's
+    """bf16 attention, forward and forward + backward (decoding shapes: forward only, a
+    memory-bound case whose TFLOP/s are small by nature): opforge against torch SDPA's
     FlashAttention and cuDNN backends and its default choice, after a check of out, dq, dk
     and dv against SDPA's (max error relative to the largest magnitude, bound 2e-2).
     TFLOP/s by FlashAttention's convention: forward 4 B H S² D (halved when causal),
@@ -338,12 +341,13 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
     grouped-query heads, say) gets an ``n/a`` row with its reason."""
     rows = []
     generator = torch.Generator(device=device).manual_seed(3)
-    for b, h, hkv, s, d, causal in ATTENTION_SHAPES:
-        shape = f"B{b} H{h}/{hkv} S{s} D{d}{' causal' if causal else ''}"
+    for b, h, hkv, sq, sk, d, causal in ATTENTION_SHAPES:
+        lengths = f"S{sk}" if sq == sk else f"Sq{sq} Sk{sk}"
+        shape = f"B{b} H{h}/{hkv} {lengths} D{d}{' causal' if causal else ''}"
         try:
-            q = torch.randn(b, h, s, d, generator=generator, device=device,
+            q = torch.randn(b, h, sq, d, generator=generator, device=device,
                             dtype=torch.bfloat16)
-            k, v = (torch.randn(b, hkv, s, d, generator=generator, device=device,
+            k, v = (torch.randn(b, hkv, sk, d, generator=generator, device=device,
                                 dtype=torch.bfloat16) for _ in range(2))
             upstream = torch.randn_like(q)
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -357,8 +361,9 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
                             "dk, dv)", max_abs_diff=worst,
                             status="ok" if worst <= 2e-2 else "FAIL",
                             detail="max |diff| / max |SDPA|, bound 2e-2"))
-            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-            for mode, work in (("fwd", flops), ("fwd+bwd", 3.5 * flops)):
+            flops = 4 * b * h * sq * sk * d * (0.5 if causal else 1.0)
+            modes = (("fwd", flops), ("fwd+bwd", 3.5 * flops)) if sq == sk else (("fwd", flops),)
+            for mode, work in modes:
                 reference_us = None
                 for impl, call in ATTENTION_IMPLS:
                     try:
