@@ -40,29 +40,49 @@ from opforge.ops import attention
 from opforge.profiler.bench import time_call
 from opforge.profiler.results import environment, write_results
 
-# (variant, BLOCK_M held, BLOCK_N streamed, warps, stages). Forward: the pointer kernel's
-# best of the first sweep, then the tensor-descriptor variants (TMA copies, with and without
-# a warp-specialized key loop). Backward: square blocks next to large held blocks with
-# short streamed ones, deeper pipelines, and the small blocks that fit head dim 256.
-FORWARD = (("flash", 128, 64, 4, 3), ("flash", 128, 64, 8, 3), ("flash", 64, 64, 4, 3),
-           ("flash", 128, 64, 8, 2), ("flash_tma", 128, 64, 4, 3),
-           ("flash_tma", 128, 64, 8, 3), ("flash_tma", 128, 128, 8, 3),
-           ("flash_tma", 128, 64, 8, 2), ("flash_tma_ws", 128, 64, 4, 3),
-           ("flash_tma_ws", 128, 128, 8, 2), ("flash_tma_ws", 128, 64, 8, 2))
+# Forward: (variant, (BLOCK_M queries held, BLOCK_N keys streamed), warps, stages): the
+# pointer kernel's best of the first sweep, then the tensor-descriptor variants (TMA copies,
+# with and without a warp-specialized key loop).
+FORWARD = (("flash", (128, 64), 4, 3), ("flash", (128, 64), 8, 3), ("flash", (64, 64), 4, 3),
+           ("flash", (128, 64), 8, 2), ("flash_tma", (128, 64), 4, 3),
+           ("flash_tma", (128, 64), 8, 3), ("flash_tma", (128, 128), 8, 3),
+           ("flash_tma", (128, 64), 8, 2), ("flash_tma_ws", (128, 64), 4, 3),
+           ("flash_tma_ws", (128, 128), 8, 2), ("flash_tma_ws", (128, 64), 8, 2))
+# Backward: ("flash", (dQ: BLOCK_M queries held, BLOCK_N keys streamed), (dK/dV: BLOCK_K
+# keys held, BLOCK_Q queries streamed), warps, stages): the first sweep's winners, large
+# held blocks with short streamed ones, deeper pipelines, and the small key blocks that
+# keep head dim 256's float32 dK and dV in registers.
 BACKWARD = tuple(("flash", *config) for config in (
-    (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3),
-    (128, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)))
+    ((64, 64), (64, 64), 4, 2), ((64, 64), (64, 64), 4, 3), ((128, 32), (128, 32), 4, 3),
+    ((128, 32), (128, 32), 4, 4), ((128, 32), (64, 64), 8, 3), ((128, 64), (64, 64), 8, 2),
+    ((64, 32), (32, 64), 4, 2), ((64, 32), (32, 64), 4, 3), ((64, 32), (32, 32), 4, 2)))
 HEAD_DIMS = (64, 128, 256)
 SDPA_BACKENDS = {"SDPA flash": SDPBackend.FLASH_ATTENTION,
                  "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}
 
 
-def forced(config: tuple[str, int, int, int, int], d: int) -> Tiling:
-    variant, block_m, block_n, warps, stages = config
+def forced(config: tuple, d: int) -> Tiling:
+    """The tiling of one sweep configuration (forward or backward)."""
+    variant, query_side, *rest = config
+    key_side = rest.pop(0) if len(rest) == 3 else None
+    warps, stages = rest
     block_d = max(16, 1 << (d - 1).bit_length())
-    return Tiling(variant, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-                            "BLOCK_DV": block_d}, 0, double_buffered=False,
+    blocks = {"BLOCK_M": query_side[0], "BLOCK_N": query_side[1], "BLOCK_D": block_d,
+              "BLOCK_DV": block_d}
+    if key_side is not None:
+        blocks.update(BLOCK_K=key_side[0], BLOCK_Q=key_side[1])
+    return Tiling(variant, blocks, 0, double_buffered=False,
                   options={"warps": warps, "stages": stages})
+
+
+def label(config: tuple) -> str:
+    """``flash M128 N64 w4 s3`` (forward) or ``flash M64 N32 K32 Q64 w4 s2`` (backward)."""
+    variant, query_side, *rest = config
+    sides = f"M{query_side[0]} N{query_side[1]}"
+    if len(rest) == 3:
+        key_side = rest.pop(0)
+        sides += f" K{key_side[0]} Q{key_side[1]}"
+    return f"{variant} {sides} w{rest[0]} s{rest[1]}"
 
 
 def sdpa_rows(name: str, backend: SDPBackend, q: torch.Tensor, k: torch.Tensor,
@@ -122,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for config in configs:
                 attention._tiles = (lambda *a, config=config, d=d, **kw: [forced(config, d)])
                 opforge.clear_caches()
-                name = "{} BM{} BN{} w{} s{}".format(*config)
+                name = label(config)
                 try:
                     call = (functools.partial(opforge.attention, q, k, v)
                             if kind == "forward" else

@@ -51,23 +51,26 @@ def test_odd_lengths_with_gqa_forward_and_backward(sq, sk, causal, backend):
                   grads)
 
 
-@pytest.mark.parametrize("held, streamed", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("query_side, key_side", [((32, 16), (16, 32)),
+                                                  ((16, 32), (32, 16))])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(70, 150), (150, 70)])
-def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, held, streamed,
+def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, query_side, key_side,
                                                       monkeypatch):
-    """The GPU tilings hold many blocks of either shape: forced here on the Triton kernels,
-    so that several held and streamed blocks, the unmasked range before the causal
-    diagonal and the masked blocks across it all run, forward and backward, with GQA."""
+    """The GPU tilings hold many blocks of either shape, and the dQ and dK/dV kernels
+    hold different blocks: forced here on the Triton kernels, so that several held and
+    streamed blocks, the unmasked range before the causal diagonal and the masked blocks
+    across it all run, forward and backward, with GQA."""
     from opforge.ops import attention
 
     def tiles(sq, sk, d, dv, item, hardware, backward):
-        return [Tiling("flash", {"BLOCK_M": held, "BLOCK_N": streamed, "BLOCK_D": 16,
-                                 "BLOCK_DV": 16}, 0, double_buffered=False)]
+        blocks = {"BLOCK_M": query_side[0], "BLOCK_N": query_side[1], "BLOCK_D": 16,
+                  "BLOCK_DV": 16, "BLOCK_K": key_side[0], "BLOCK_Q": key_side[1]}
+        return [Tiling("flash", blocks, 0, double_buffered=False)]
 
     monkeypatch.setattr(attention, "_tiles", tiles)
     opforge.clear_caches()
-    q, k, v = _qkv(1, 4, 2, sq, sk, 16, seed=sq + held)
+    q, k, v = _qkv(1, 4, 2, sq, sk, 16, seed=sq + query_side[0])
     attrs = {"causal": causal}
     with opforge.use_backend("triton"):
         out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)

@@ -158,57 +158,74 @@ def _head_blocks(d: int, dv: int) -> tuple[int, int]:
     return max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
 
 
-# CUDA block sizes by head-dim bucket, from the H200 sweep (benchmarks/attention_tuning.py,
-# bf16, S = 4096): (BLOCK_M, BLOCK_N, warps, stages to try).
-CUDA_FORWARD = {64: (128, 64, 4, (3, 2)), 128: (128, 64, 8, (3, 2)), 256: (128, 64, 8, (2,))}
-CUDA_BACKWARD = {64: (64, 64, 4, (3, 2)), 128: (64, 64, 4, (2,)), 256: (64, 32, 4, (2,))}
+# CUDA blocks by head-dim bucket, from the H200 sweep (benchmarks/attention_tuning.py, bf16,
+# S = 4096). Forward: ((held queries, streamed keys), warps, stages to try). Backward: ((dQ:
+# held queries, streamed keys), (dK/dV: held keys, streamed queries), warps, stages). At
+# head dim 256 the backward holds 64 queries but only 32 keys: 64 keys' float32 dK and dV
+# would not fit the registers of 4 warps.
+CUDA_FORWARD = {64: ((128, 64), 4, (3, 2)), 128: ((128, 64), 8, (3, 2)),
+                256: ((128, 64), 8, (2,))}
+CUDA_BACKWARD = {64: ((64, 64), (64, 64), 4, (3, 2)), 128: ((64, 64), (64, 64), 4, (2,)),
+                 256: ((64, 32), (32, 64), 4, (2,))}
 
 
-def _shared_bytes(block_m: int, block_n: int, block_d: int, block_dv: int, item: int,
+def _shared_bytes(sides: Sequence[tuple[int, int]], block_d: int, block_dv: int, item: int,
                   stages: int, backward: bool) -> int:
-    """Shared memory of the pass's kernels: the ``BLOCK_N`` streamed rows once per stage,
-    the ``BLOCK_M`` held rows once (forward: q held, k and v streamed; backward query side:
+    """Shared memory of the pass's largest kernel: per kernel, its streamed rows once per
+    stage and its held rows once (forward: q held, k and v streamed; backward query side:
     q and dout held, k and v streamed; key side: k and v held, q and dout streamed). The
     model reproduces Triton's figures for the configurations the H200 sweep rejected."""
     width = (block_d + block_dv) * item
-    return stages * block_n * width + block_m * (width if backward else block_d * item)
+    held_width = width if backward else block_d * item
+    return max(stages * streamed * width + held * held_width for held, streamed in sides)
+
+
+def _fitted(side: tuple[int, int], held_rows: int, streamed_rows: int) -> tuple[int, int]:
+    """A (held, streamed) pair shrunk to the rows there are, never below 16 (the dot's
+    minimum)."""
+    return (min(side[0], max(16, next_power_of_2(held_rows))),
+            min(side[1], max(16, next_power_of_2(streamed_rows))))
 
 
 def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfile,
            backward: bool) -> list[Tiling]:
-    """``BLOCK_M`` rows held on chip x ``BLOCK_N`` rows streamed past them: queries held
-    and keys streamed in the forward and for dQ, keys held and queries streamed for dK and
-    dV (each kernel keeps its large block in registers and pipelines the small one). On
-    CUDA, the sweep's best per head-dim bucket (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer
-    stages then smaller blocks while the shared memory does not fit; on Ascend 64 x 128
-    (larger blocks suit its cube unit); on the CPU (the interpreter) 64 x 1024. All shrink
-    to the problem, never below 16 (the dot's minimum)."""
+    """Each kernel holds rows on chip and streams others past them (it keeps its held block
+    in registers and pipelines the streamed one): ``BLOCK_M`` queries held x ``BLOCK_N``
+    keys streamed in the forward and for dQ; ``BLOCK_K`` keys held x ``BLOCK_Q`` queries
+    streamed for dK and dV. On CUDA, the sweep's best per head-dim bucket
+    (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer stages then smaller blocks while the shared
+    memory does not fit; on Ascend 64 x 128 (larger blocks suit its cube unit); on the CPU
+    (the interpreter) 64 x 1024. All shrink to the problem, never below 16."""
     block_d, block_dv = _head_blocks(d, dv)
     widest = max(block_d, block_dv)
     gpu = hardware.device_type == "cuda"
     if gpu:
         bucket = 64 if widest <= 64 else 128 if widest <= 128 else 256
-        block_m, block_n, warps, stage_choices = (CUDA_BACKWARD if backward
-                                                  else CUDA_FORWARD)[bucket]
-    elif hardware.device_type == "cpu":
-        # The interpreter's cost is per block operation, not per element: long key blocks.
-        block_m, block_n, warps, stage_choices = 64, 1024, None, (1,)
+        if backward:
+            query_side, key_side, warps, stage_choices = CUDA_BACKWARD[bucket]
+        else:
+            query_side, warps, stage_choices = CUDA_FORWARD[bucket]
     else:
-        block_m, block_n, warps, stage_choices = 64, 128, None, (1,)
-    block_m = min(block_m, max(16, next_power_of_2(sq)))
-    block_n = min(block_n, max(16, next_power_of_2(sk)))
+        # The interpreter's cost is per block operation, not per element: long streamed
+        # blocks.
+        query_side = (64, 1024) if hardware.device_type == "cpu" else (64, 128)
+        key_side, warps, stage_choices = query_side, None, (1,)
+    sides = [_fitted(query_side, sq, sk)] + ([_fitted(key_side, sk, sq)] if backward else [])
     candidates = []
     while True:
+        blocks = {"BLOCK_M": sides[0][0], "BLOCK_N": sides[0][1], "BLOCK_D": block_d,
+                  "BLOCK_DV": block_dv}
+        if backward:
+            blocks.update(BLOCK_K=sides[1][0], BLOCK_Q=sides[1][1])
         for stages in stage_choices:
             candidates.append(Tiling(
-                "flash", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-                          "BLOCK_DV": block_dv},
-                _shared_bytes(block_m, block_n, block_d, block_dv, item, stages, backward),
+                "flash", blocks, _shared_bytes(sides, block_d, block_dv, item, stages,
+                                               backward),
                 double_buffered=False,
                 options={"warps": warps, "stages": stages if gpu else None}))
-        if block_m == 16 and block_n == 16:
+        if all(block == 16 for side in sides for block in side):
             return candidates
-        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+        sides = [(max(16, held // 2), max(16, streamed // 2)) for held, streamed in sides]
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -942,14 +959,17 @@ def _head_chunks(heads: int) -> list[tuple[int, int]]:
             for start in range(0, heads, MAX_PROGRAMS)]
 
 
-def _launch_options(plan: object, inputs: Sequence[torch.Tensor]) -> dict[str, object]:
-    """Compile-time arguments shared by the kernels."""
+def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
+                    ) -> dict[str, object]:
+    """Compile-time arguments of a kernel: the shared ones, and the tiling's ``blocks``
+    (with the head dims' blocks)."""
     reach = max(1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
                 for t in inputs)
     dtype = inputs[0].dtype
+    chosen = {name: plan.tiling.blocks[name] for name in (*blocks, "BLOCK_D", "BLOCK_DV")}
     return {"CAUSAL": plan.attrs["causal"], "UPCAST": backends.interpreter_enabled(),
             "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "WIDE": reach > INT32_LIMIT, **plan.tiling.blocks, **launch_options(plan.tiling)}
+            "WIDE": reach > INT32_LIMIT, **chosen, **launch_options(plan.tiling)}
 
 
 # Forward variants: (keys and values by tensor descriptor, warp-specialized key loop).
@@ -1003,7 +1023,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         lse.fill_(-math.inf)
     if sk == 0 or sq == 0:
         return
-    options = _launch_options(plan, (q, k, v, out))
+    options = _launch_options(plan, (q, k, v, out), "BLOCK_M", "BLOCK_N")
     descriptors, warp_specialize = FORWARD_VARIANTS[plan.tiling.variant]
     if descriptors and not _descriptors_usable(k, v):
         descriptors = warp_specialize = False
@@ -1020,8 +1040,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 @ATTENTION_BACKWARD.launcher("triton")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """The query-side kernel (delta, then dQ) over query blocks, then the key-side kernel
-    (dK, dV) over key blocks and key/value heads."""
+    """The query-side kernel (delta, then dQ; ``BLOCK_M`` queries held, ``BLOCK_N`` keys
+    streamed) over query blocks, then the key-side kernel (dK, dV; ``BLOCK_K`` keys held,
+    ``BLOCK_Q`` queries streamed) over key blocks and key/value heads."""
     dout, q, k, v, out, lse, grad_lse = inputs
     grad_q, grad_k, grad_v = outputs
     b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention_backward")
@@ -1032,22 +1053,22 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     lse = lse.contiguous()
     grad_lse = None if grad_lse is None else grad_lse.contiguous()
     delta = workspace[:4 * b * h * sq].view(torch.float32)
-    options = _launch_options(plan, (q, k, v, dout, out, grad_q, grad_k, grad_v))
+    tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
+    query_side = _launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
+    key_side = _launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
     scale = _scale_of(plan.attrs, d)
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
             sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(), *q.stride(),
             *k.stride(), *v.stride(), *out.stride(), d, dv, HAS_GRAD_LSE=grad_lse is not None,
-            **options)
-    # The key side holds BLOCK_M keys and streams BLOCK_N queries past them.
-    blocks = {name: options.pop(name) for name in ("BLOCK_M", "BLOCK_N")}
-    key_blocks = max(1, min(cdiv(sk, blocks["BLOCK_M"]), MAX_PROGRAMS))
+            **query_side)
+    key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
             dout, q, k, v, lse, delta, grad_k, grad_v, sq, sk, h, hkv, h // hkv, first,
             scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(), d,
-            dv, BLOCK_K=blocks["BLOCK_M"], BLOCK_Q=blocks["BLOCK_N"], **options)
+            dv, **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
