@@ -82,6 +82,61 @@ def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, query_side
                   grads)
 
 
+@pytest.mark.parametrize("splits", [3, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(1, 150), (70, 150), (150, 70)])
+def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, monkeypatch):
+    """The decoding tiling (keys cut into slices, merged by log-sum-exp) forced on the
+    Triton kernels: one query and a few over a long cache, slices a query sees partly or
+    not at all (causal), queries that see no key (Sq > Sk, causal: out 0, lse -inf), more
+    slices asked for than key blocks; the poisoned workspace must be written wherever the
+    merge reads."""
+    from opforge.ops import attention
+
+    def tiles(sq, sk, d, dv, item, hardware, backward):
+        return [Tiling("flash", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
+                                 "BLOCK_K": 16, "BLOCK_Q": 16}, 0, double_buffered=False)]
+
+    monkeypatch.setattr(attention, "_tiles", tiles)
+    monkeypatch.setattr(attention, "_key_splits", lambda *args: splits)
+    opforge.clear_caches()
+    opforge.set_poison(True)
+    q, k, v = _qkv(2, 4, 2, sq, sk, 16, dv=8, seed=sq + splits)
+    try:
+        with opforge.use_backend("triton"):
+            plan = opforge.plan("attention", q, k, v, causal=causal)
+            out, lse = plan.run(q, k, v)
+    finally:
+        opforge.set_poison(False)
+        opforge.clear_caches()
+    assert plan.tiling.options["splits"] == splits and plan.workspace_bytes > 0
+    assert_golden(ATTENTION, Case("splits", (q, k, v), {"causal": causal}), (out, lse))
+    if causal and sq > sk:
+        assert (lse[:, :, :sq - sk] == -math.inf).all() and (out[:, :, :sq - sk] == 0).all()
+
+
+def test_decoding_on_a_gpu_profile_splits_the_keys():
+    """On an H200's 132 cores one query of 32 heads would leave most idle: the tiling cuts
+    the keys into slices (two programs a core, each slice at least 4 key blocks), and sizes
+    the workspace for the slices' float32 partials. A full prefill, a batch that fills
+    the cores and the CPU keep one slice."""
+    def plan(b, sq, sk, hardware):
+        q = torch.empty(b, 32, sq, 128, dtype=torch.bfloat16)
+        k = torch.empty(b, 8, sk, 128, dtype=torch.bfloat16)
+        with opforge.use_hardware(hardware), opforge.use_backend("triton"):
+            return opforge.plan("attention", q, k, k)
+
+    decode = plan(1, 1, 32768, "h200")
+    splits = decode.tiling.options["splits"]
+    assert splits == math.ceil(2 * 132 / 32)
+    assert decode.workspace_bytes == 4 * splits * 32 * (128 + 1)
+    assert plan(1, 1, 128, "h200").tiling.options["splits"] == 1  # too few key blocks
+    for b, sq, sk, hardware in ((8, 1, 32768, "h200"), (1, 4096, 4096, "h200"),
+                                (1, 1, 32768, "cpu")):
+        chosen = plan(b, sq, sk, hardware)
+        assert chosen.tiling.options["splits"] == 1 and chosen.workspace_bytes == 0
+
+
 class _RecordedKernel:
     """Stands in for a Triton kernel: records each launch's keyword arguments."""
 

@@ -21,7 +21,10 @@ is ever stored. Blocks entirely visible skip the mask; only blocks crossing the 
 diagonal or the sequence end apply it. The tiling's variant ``flash_tma`` reads keys and
 values through on-device tensor descriptors (TMA copies on Hopper and newer; the
 descriptor's bounds replace the masks), ``flash_tma_ws`` also warp-specializes the key
-loop; inputs that descriptors cannot address run the pointer kernel.
+loop; inputs that descriptors cannot address run the pointer kernel. When the query
+blocks of all heads would leave cores idle (decoding: a few queries over a long KV cache),
+the tiling also cuts the keys into slices, one program each, whose float32 (out, lse) a
+second kernel merges by log-sum-exp (flash-decoding).
 
 Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
@@ -228,18 +231,51 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
         sides = [(max(16, held // 2), max(16, streamed // 2)) for held, streamed in sides]
 
 
+# Rows of the split forward's merge kernel per program.
+MERGE_ROWS = 64
+
+
+def _key_splits(query_blocks: int, heads: int, sk: int, block_n: int,
+                hardware: HardwareProfile) -> int:
+    """Slices of the keys in the forward (flash-decoding): when the query blocks of every
+    head leave cores idle (decoding: a few queries over a long cache), each program takes
+    one slice of the keys and a second kernel merges the slices by their log-sum-exp.
+    Enough slices for two programs a core, each at least 4 key blocks long; none on the
+    CPU (the interpreter pays per block operation, not per idle core)."""
+    programs = query_blocks * heads
+    if hardware.device_type == "cpu" or programs >= hardware.core_count:
+        return 1
+    return max(1, min(cdiv(2 * hardware.core_count, programs), sk // (4 * block_n)))
+
+
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    _, _, _, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
-    return _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False)
+    b, h, _, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
+    tilings = _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False)
+    return [Tiling(t.variant, t.blocks, t.onchip_bytes, t.double_buffered,
+                   {**t.options, "splits": _key_splits(cdiv(sq, t.blocks["BLOCK_M"]), b * h,
+                                                       sk, t.blocks["BLOCK_N"], hardware)})
+            for t in tilings]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
-    """(query blocks, batch x heads), each capped at the grid limit (programs loop)."""
+    """(query blocks, batch x heads), each capped at the grid limit (programs loop); the
+    launcher adds the key slices as a third dimension."""
     b, h, _, sq, _, _, _ = _shapes(*inputs[:3], "attention")
     return (max(1, min(cdiv(sq, tiling.blocks["BLOCK_M"]), MAX_PROGRAMS)),
             max(1, min(b * h, MAX_PROGRAMS)))
+
+
+def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+               attrs: Attrs) -> int:
+    """Split keys: float32 out and lse of every slice, ``slices · B·H·Sq·(Dv + 1) · 4``
+    bytes."""
+    splits = tiling.options.get("splits", 1)
+    if splits == 1:
+        return 0
+    b, h, _, sq, _, _, dv = _shapes(*inputs[:3], "attention")
+    return 4 * splits * b * h * sq * (dv + 1)
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -397,7 +433,8 @@ ATTENTION = OpDef(
     inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v")),
     outputs=(OutputArg("out"), OutputArg("lse")), attrs=(CAUSAL, SCALE),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, samples=_samples, error_scale=_attention_scale,
+    tiling=_tiling, grid=_grid, workspace=_workspace, samples=_samples,
+    error_scale=_attention_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention, sweep=_sweep,
                             known_limitations=(CANCELLING_TERMS, OVERFLOWING_SCORES,
                                                SUBNORMAL_MEANS)),
@@ -705,14 +742,21 @@ if triton is not None:
 
     @triton.jit
     def _attention_forward_kernel(
-            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn,
-            stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D, DV,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset, heads,
+            keys_per_split, qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
+            stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D,
+            DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_DV: tl.constexpr):
+        """Per block of ``BLOCK_M`` queries of one head and one slice of the keys
+        (``program_id(2)``; one slice holding every key unless the keys are split): out and
+        lse of the slice, into ``out``/``lse`` or, split, into the float32 partials of
+        slice ``program_id(2)`` (laid out ``[slices, heads, Sq, DV]`` and ``[slices, heads,
+        Sq]``)."""
         head = (tl.program_id(1) + head_offset).to(tl.int64)
+        split_start = tl.program_id(2) * keys_per_split
+        split_end = split_start + keys_per_split
         batch, h = head // H, head % H
         q_base = q_ptr + batch * stride_qb + h * stride_qh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
@@ -728,8 +772,9 @@ if triton is not None:
                                                block_shape=[BLOCK_N, BLOCK_DV])
         else:
             k_desc, v_desc = k_base, v_base
-        out_base = out_ptr + head * Sq * DV
-        lse_base = lse_ptr + head * Sq
+        slot = tl.program_id(2) * heads + head
+        out_base = out_ptr + slot * Sq * DV
+        lse_base = lse_ptr + slot * Sq
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
@@ -744,15 +789,19 @@ if triton is not None:
             m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            # The slice's share of each range (slices start on key-block boundaries).
+            masked_start = tl.maximum(full_end, split_start)
+            full_end = tl.minimum(full_end, split_end)
+            end = tl.minimum(end, split_end)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
-                                          full_end, Sk, offset, D, DV, qk_scale, CAUSAL,
-                                          False, UPCAST, PRECISION, DESCRIPTORS,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                                          split_start, full_end, Sk, offset, D, DV, qk_scale,
+                                          CAUSAL, False, UPCAST, PRECISION, DESCRIPTORS,
                                           WARP_SPECIALIZE, BLOCK_N, BLOCK_D, BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                                          full_end, end, Sk, offset, D, DV, qk_scale, CAUSAL,
-                                          True, UPCAST, PRECISION, DESCRIPTORS, False,
+                                          masked_start, end, Sk, offset, D, DV, qk_scale,
+                                          CAUSAL, True, UPCAST, PRECISION, DESCRIPTORS, False,
                                           BLOCK_N, BLOCK_D, BLOCK_DV)
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -762,6 +811,41 @@ if triton is not None:
             out_mask = row_mask[:, None] & (value_dims < DV)[None, :]
             tl.store(out_ptrs, rounded_for(out, out_ptr), mask=out_mask)
             tl.store(lse_base + rows, rounded_for(lse, lse_ptr), mask=row_mask)
+
+    @triton.jit
+    def _attention_merge_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, R, SPLITS,
+                                DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """out and lse of ``R`` query rows (every head's, flattened) from their key slices'
+        float32 (out, lse), merged in slice order by log-sum-exp: weights ``exp(lse_s -
+        max)``, rounded once into out."""
+        value_dims = tl.arange(0, BLOCK_DV)
+        for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.num_programs(0)):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < R
+            mask = row_mask[:, None] & (value_dims < DV)[None, :]
+            m = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            for split in range(0, SPLITS):
+                slots = split * R + rows
+                lse_s = tl.load(partial_lse_ptr + slots, mask=row_mask,
+                                other=NEG_INF)  # float32 statistic
+                out_s = tl.load(partial_out_ptr + slots[:, None] * DV + value_dims[None, :],
+                                mask=mask, other=0.0)  # float32 partial
+                m_new = tl.maximum(m, lse_s)
+                # A row no slice has seen yet keeps max -inf; 0 avoids -inf - -inf.
+                m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+                alpha = tl.exp(m - m_safe)
+                weight = tl.exp(lse_s - m_safe)
+                total = total * alpha + weight
+                acc = acc * alpha[:, None] + weight[:, None] * out_s
+                m = m_new
+            seen = total > 0
+            out = acc / tl.where(seen, total, 1.0)[:, None]
+            lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), NEG_INF)
+            tl.store(out_ptr + rows[:, None] * DV + value_dims[None, :],
+                     rounded_for(out, out_ptr), mask=mask)
+            tl.store(lse_ptr + rows, lse, mask=row_mask)  # float32 statistic
 
     @triton.jit
     def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn, stride_kd,
@@ -1011,10 +1095,11 @@ def _use_scratch_allocator() -> None:
 @ATTENTION.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """One program per ``BLOCK_M`` queries of one head (persistently); heads in
-    ``program_id(1)``. The tiling's variant may read keys and values by tensor descriptor
-    (and warp-specialize the key loop); inputs that descriptors cannot address take the
-    pointer kernel."""
+    """One program per ``BLOCK_M`` queries of one head (persistently), heads in
+    ``program_id(1)``, slices of the keys in ``program_id(2)`` when the tiling splits them
+    (then the merge kernel combines the slices from the workspace). The tiling's variant
+    may read keys and values by tensor descriptor (and warp-specialize the key loop);
+    inputs that descriptors cannot address take the pointer kernel."""
     q, k, v = inputs
     out, lse = outputs
     b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention")
@@ -1029,12 +1114,24 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         descriptors = warp_specialize = False
     if descriptors and k.device.type == "cuda":
         _use_scratch_allocator()
+    block_n = plan.tiling.blocks["BLOCK_N"]
+    keys_per_split = cdiv(cdiv(sk, block_n), plan.tiling.options.get("splits", 1)) * block_n
+    splits = cdiv(sk, keys_per_split)
+    rows = b * h * sq
+    targets = (out, lse)
+    if splits > 1:
+        partials = workspace[:4 * splits * rows * (dv + 1)].view(torch.float32)
+        targets = (partials[:splits * rows * dv], partials[splits * rows * dv:])
     qk_scale = _scale_of(plan.attrs, d) * LOG2_E
     for first, count in _head_chunks(b * h):
-        _attention_forward_kernel[(plan.grid[0], count)](
-            q, k, v, out, lse, sq, sk, h, h // hkv, first, qk_scale, *q.stride(), *k.stride(),
-            *v.stride(), d, dv, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
-            **options)
+        _attention_forward_kernel[(plan.grid[0], count, splits)](
+            q, k, v, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split, qk_scale,
+            *q.stride(), *k.stride(), *v.stride(), d, dv, DESCRIPTORS=descriptors,
+            WARP_SPECIALIZE=warp_specialize, **options)
+    if splits > 1:
+        _attention_merge_kernel[(max(1, min(cdiv(rows, MERGE_ROWS), MAX_PROGRAMS)),)](
+            *targets, out, lse, rows, splits, dv, BLOCK_M=MERGE_ROWS,
+            BLOCK_DV=options["BLOCK_DV"])
 
 
 @ATTENTION_BACKWARD.launcher("triton")
