@@ -291,11 +291,13 @@ def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: to
 
 
 # (B, H, Hkv, Sq, Sk, D, causal): MHA at head dims 64, 128 and 256, causal at 4k and 8k,
-# GQA 4:1; then decoding with a KV cache (one and 16 new queries, GQA, forward only).
+# GQA 4:1; then decoding with a KV cache (one and 16 new queries, GQA, forward only; a
+# batch of 8 fills the cores, one sequence of 32k keys needs the key slices).
 ATTENTION_SHAPES = ((4, 16, 16, 4096, 4096, 64, False), (4, 16, 16, 4096, 4096, 128, False),
                     (4, 16, 16, 4096, 4096, 128, True), (2, 16, 16, 8192, 8192, 128, True),
                     (4, 32, 8, 4096, 4096, 128, True), (2, 8, 8, 4096, 4096, 256, False),
-                    (8, 32, 8, 1, 8192, 128, False), (8, 32, 8, 16, 8192, 128, False))
+                    (8, 32, 8, 1, 8192, 128, False), (8, 32, 8, 16, 8192, 128, False),
+                    (1, 32, 8, 1, 32768, 128, False))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
