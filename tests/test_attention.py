@@ -13,6 +13,7 @@ import opforge
 from opforge.core.opdef import Case, Tiling
 from opforge.ops.attention import causal_mask
 from opforge.precision.attention_study import attention_error_growth, growth
+from opforge.profiler.session import kernel_costs
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
@@ -110,6 +111,9 @@ def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, monkeypatch):
         opforge.set_poison(False)
         opforge.clear_caches()
     assert plan.tiling.options["splits"] == splits and plan.workspace_bytes > 0
+    costs = kernel_costs(plan)  # what the profiler gives each of the two kernels
+    assert costs["_attention_forward_kernel"][0] == plan.cost.flops
+    assert costs["_attention_merge_kernel"][1] > 0
     assert_golden(ATTENTION, Case("splits", (q, k, v), {"causal": causal}), (out, lse))
     if causal and sq > sk:
         assert (lse[:, :, :sq - sk] == -math.inf).all() and (out[:, :, :sq - sk] == 0).all()

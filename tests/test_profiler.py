@@ -168,7 +168,8 @@ def _gpu_trace():
             "tiling": "row BLOCK=256", "grid": [4], "flops": 5120.0, "bytes": 4096.0},
         2: {"op": "attention_backward", "inputs": [{"shape": [1, 2, 8, 16], "dtype": "float32"}],
             "outputs": [{"shape": [1, 2, 8, 16], "dtype": "float32"}], "backend": "triton",
-            "tiling": "flash", "grid": [8], "flops": 1e6, "bytes": 1e5},
+            "tiling": "flash", "grid": [8], "flops": 1e6, "bytes": 1e5,
+            "kernels": {"dq_kernel": [4e5, 6e4]}},
     }
     return {"traceEvents": events}, records
 
@@ -186,11 +187,51 @@ def test_gpu_trace_kernels_are_owned_and_costed():
     assert (gemm.type, gemm.flops) == ("aten::mm", 2 * 64 * 32 * 16)
     assert gemm.bytes_moved == 4 * (64 * 32 + 32 * 16 + 64 * 16)
     assert gemm.block_num == 4 and gemm.input_shapes == "64,32;32,16"
-    # Two kernels share the operator's cost: neither gets it alone.
+    # Two kernels share the operator's cost: the one the record costs by name gets its own,
+    # the other none (never the operator's whole cost).
     assert dq.type == dkdv.type == "opforge::attention_backward"
-    assert dq.flops is None and dkdv.flops is None
+    assert (dq.flops, dq.bytes_moved) == (4e5, 6e4) and dkdv.flops is None
     assert nccl.type == "ncclKernel_AllReduce" and nccl.flops is None
     assert [r.wait_us for r in rows] == [0, 5, 0, 5, 1]
+
+
+def test_plan_records_cost_each_kernel_of_multi_kernel_operators():
+    """Operators that launch several Triton kernels name each with its cost in the run
+    record: the names are kernels opforge defines, and the kernels' products add up to the
+    operator's (the norms' sum of partials aside, which the operator's cost leaves out)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    import opforge.ops
+    from opforge.ops.mla_prolog import mla_inputs
+    from opforge.profiler.session import kernel_costs
+
+    kernels = {name for info in pkgutil.iter_modules(opforge.ops.__path__)
+               for name, value in vars(importlib.import_module(
+                   f"opforge.ops.{info.name}")).items()
+               if isinstance(value, KernelInterface)}
+    q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
+    lse = torch.randn(1, 4, 40)
+    x, weight = torch.randn(6, 32), torch.randn(32)
+    cases = [("attention_backward", (q, q, k, v, q, lse, None), {}),
+             ("rms_norm_backward", (x, x, torch.rand(6), weight), {}),
+             ("layer_norm_backward", (x, x, torch.randn(6), torch.rand(6), weight, weight),
+              {"normalized_shape": [32]}),
+             ("mla_prolog", tuple(mla_inputs(5, torch.float32, "cpu",
+                                             torch.Generator().manual_seed(0))), {})]
+    with opforge.use_backend("triton"):
+        for op, inputs, attrs in cases:
+            plan = opforge.plan(op, *inputs, **attrs)
+            costs = kernel_costs(plan)
+            assert costs and set(costs) <= kernels, op
+            if op == "attention_backward":
+                assert sum(c[0] for c in costs.values()) == plan.cost.flops
+            if op.endswith("norm_backward"):
+                assert costs["norm_backward_kernel"][0] == plan.cost.flops
+    with opforge.use_backend("torch"):
+        assert kernel_costs(opforge.plan("attention_backward", q, q, k, v, q, lse)) == {}
 
 
 def test_gpu_trace_operators_merge_the_plan_record():

@@ -360,6 +360,10 @@ class OpDef:
             one compiled kernel).
         grid(tiling, inputs, outputs, attrs, hw) -> launch grid for the exact shapes.
         workspace(tiling, grid, inputs, outputs, attrs) -> workspace bytes.
+        kernel_costs(tiling, grid, inputs, outputs, attrs) -> {kernel name: `Cost` of one
+            launch} of the Triton kernels a call launches, for operators that launch
+            several (the profiler gives each its own roofline verdict); ``None``: one
+            kernel carries the whole cost.
         samples(dtype, device, generator) -> verification `Case`s.
         error_scale(opdef, inputs, attrs, golden, output) -> float64 tensor: the magnitude
             the errors of the output named ``output`` are judged against (|golden| by
@@ -386,6 +390,8 @@ class OpDef:
     samples: Callable[[torch.dtype, torch.device, torch.Generator], list[Case]]
     check: Callable[[Specs, Attrs], None] = _no_check
     workspace: Callable[[Tiling, tuple[int, ...], Specs, Specs, Attrs], int] = _no_workspace
+    kernel_costs: Callable[[Tiling, tuple[int, ...], Specs, Specs, Attrs],
+                           Mapping[str, Cost]] | None = None
     autocast: AutocastPolicy = AutocastPolicy.KEEP
     error_scale: Callable[..., torch.Tensor] = magnitude_scale
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)

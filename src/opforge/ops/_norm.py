@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from opforge.core.hardware import HardwareProfile
-from opforge.core.opdef import Attrs, Specs, Tiling
+from opforge.core.opdef import Attrs, Cost, Specs, Tiling
 from opforge.core.tiling import (
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
@@ -109,6 +109,24 @@ def backward_workspace(geometry: Geometry, partial_sets: Callable[[Specs], int]
         _, cols = geometry(inputs, attrs)
         return 4 * partial_sets(inputs) * grid[0] * cols
     return size
+
+
+def backward_kernel_costs(geometry: Geometry, partial_sets: Callable[[Specs], int],
+                          cost: Callable[[Specs, Specs, Attrs], Cost]) -> Callable[..., dict]:
+    """The row kernel (the operator's ``cost``, plus the weight read and the float32
+    partials written) and one launch of the kernel that sums a set of partials (weight's,
+    then bias's: read once, the gradient written)."""
+    def costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+              attrs: Attrs) -> dict[str, Cost]:
+        _, cols = geometry(inputs, attrs)
+        rows_cost = cost(inputs, outputs, attrs)
+        sets = partial_sets(inputs)
+        partials = 4 * grid[0] * cols
+        gradient = cols * inputs[0].itemsize
+        return {"norm_backward_kernel": Cost(rows_cost.flops, rows_cost.bytes_moved
+                                             + sets * (gradient + partials)),
+                "sum_partials_kernel": Cost(grid[0] * cols, partials + gradient)}
+    return costs
 
 
 def gradient_scale(grad: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor,

@@ -267,6 +267,31 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
             max(1, min(b * h, MAX_PROGRAMS)))
 
 
+def _key_slices(tiling: Tiling, sk: int) -> tuple[int, int]:
+    """(keys a slice holds, slices that hold any): whole key blocks per slice, as few
+    slices as the tiling's ``splits`` allow."""
+    block_n = tiling.blocks["BLOCK_N"]
+    keys_per_split = cdiv(cdiv(sk, block_n), tiling.options.get("splits", 1)) * block_n
+    return keys_per_split, cdiv(sk, keys_per_split)
+
+
+def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> dict[str, Cost]:
+    """The forward kernel's cost, and with key slices the merge kernel's: the float32
+    partials the first writes instead of out and lse, and the second reads back."""
+    cost = _cost(inputs, outputs, attrs)
+    b, h, _, sq, sk, _, dv = _shapes(*inputs[:3], "attention")
+    _, slices = _key_slices(tiling, sk)
+    if slices <= 1:
+        return {"_attention_forward_kernel": cost}
+    rows = b * h * sq
+    partials = 4 * slices * rows * (dv + 1)
+    written = rows * (dv * inputs[0].itemsize + 4)
+    return {"_attention_forward_kernel": Cost(cost.flops,
+                                              cost.bytes_moved - written + partials),
+            "_attention_merge_kernel": Cost(4 * slices * rows * dv, partials + written)}
+
+
 def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
                attrs: Attrs) -> int:
     """Split keys: float32 out and lse of every slice, ``slices · B·H·Sq·(Dv + 1) · 4``
@@ -433,8 +458,8 @@ ATTENTION = OpDef(
     inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v")),
     outputs=(OutputArg("out"), OutputArg("lse")), attrs=(CAUSAL, SCALE),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, workspace=_workspace, samples=_samples,
-    error_scale=_attention_scale,
+    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
+    samples=_samples, error_scale=_attention_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention, sweep=_sweep,
                             known_limitations=(CANCELLING_TERMS, OVERFLOWING_SCORES,
                                                SUBNORMAL_MEANS)),
@@ -465,15 +490,32 @@ def _backward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
     return [inputs[i].dtype for i in (1, 2, 3)]
 
 
+def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
+                           outputs: Specs, attrs: Attrs) -> dict[str, Cost]:
+    """Per visible pair, the query side computes S, dP and dQ (2D + Dv multiply-adds) and the
+    key side S, dV, dP and dK (2D + 2Dv); the query side reads q, dout, out, lse and every
+    key and value once and writes dq and delta, the key side reads q, dout, lse, delta and
+    writes dk and dv."""
+    b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
+    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
+    item = inputs[1].itemsize
+    statistics = 2 * b * h * sq * 4
+    keys = b * hkv * sk * (d + dv) * item
+    return {"_attention_query_side_kernel": Cost(
+                2 * pairs * (2 * d + dv), b * h * sq * (2 * d + 2 * dv) * item + keys + statistics),
+            "_attention_key_side_kernel": Cost(
+                2 * pairs * (2 * d + 2 * dv), b * h * sq * (d + dv) * item + statistics + 2 * keys)}
+
+
 def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
-    """Five products per visible pair (S and dP recomputed twice: once for dK/dV, once for
-    dQ); every input read once, gradients written once."""
+    """The two kernels' products (S and dP recomputed on each side: 4D + 3Dv multiply-adds
+    per visible pair); every input read once, gradients written once."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
     pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
     item = inputs[1].itemsize
     query_side = b * h * sq * (2 * d + 2 * dv) * item + 2 * b * h * sq * 4
     key_side = b * hkv * sk * 2 * (d + dv) * item
-    return Cost(flops=2 * pairs * (3 * d + 4 * dv), bytes_moved=query_side + key_side)
+    return Cost(flops=2 * pairs * (4 * d + 3 * dv), bytes_moved=query_side + key_side)
 
 
 def _backward_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -561,7 +603,8 @@ ATTENTION_BACKWARD = OpDef(
     outputs=(OutputArg("grad_q"), OutputArg("grad_k"), OutputArg("grad_v")),
     attrs=(CAUSAL, SCALE), infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check_backward, cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,
-    workspace=_backward_workspace, samples=_backward_samples, error_scale=_backward_scale,
+    workspace=_backward_workspace, kernel_costs=_backward_kernel_costs,
+    samples=_backward_samples, error_scale=_backward_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention_backward,
                             sweep=_backward_sweep, known_limitations=(
                                 CANCELLING_TERMS, OVERFLOWING_SCORES, SUBNORMAL_MEANS,
@@ -1114,9 +1157,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         descriptors = warp_specialize = False
     if descriptors and k.device.type == "cuda":
         _use_scratch_allocator()
-    block_n = plan.tiling.blocks["BLOCK_N"]
-    keys_per_split = cdiv(cdiv(sk, block_n), plan.tiling.options.get("splits", 1)) * block_n
-    splits = cdiv(sk, keys_per_split)
+    keys_per_split, splits = _key_slices(plan.tiling, sk)
     rows = b * h * sq
     targets = (out, lse)
     if splits > 1:

@@ -308,6 +308,7 @@ LAYER_NORM_BACKWARD = OpDef(
     tiling=norm.tiling(_backward_geometry, 2),
     grid=norm.grid(_backward_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
     workspace=norm.backward_workspace(_backward_geometry, _partial_sets),
+    kernel_costs=norm.backward_kernel_costs(_backward_geometry, _partial_sets, _cost(2)),
     samples=_backward_samples, error_scale=_error_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_layer_norm_backward,
                             sweep=_backward_sweep, known_limitations=(

@@ -171,6 +171,18 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     return Cost(flops=flops, bytes_moved=moved)
 
 
+def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> dict[str, Cost]:
+    """The fused KV kernel (the query path's matmuls, norm and rope are plans of their own,
+    with their own costs): the latent and rope projections (the rope columns twice, in
+    source and partner order) and the rows written into the caches."""
+    s = _sizes(inputs, attrs)
+    t, he, hckv, dr = (s[k] for k in ("t", "he", "hckv", "dr"))
+    item = inputs[0].itemsize
+    moved = (t * he + he * (hckv + dr) + hckv + 2 * t * dr + t * (hckv + dr)) * item
+    return {"_mla_kv_kernel": Cost(flops=2 * t * he * (hckv + 2 * dr), bytes_moved=moved)}
+
+
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
     """The fused KV kernel's blocks: ``BLOCK_T`` tokens, ``BLOCK_K`` of He per step, the
@@ -353,7 +365,8 @@ MLA_PROLOG = OpDef(
            Attr("rmsnorm_epsilon_ckv", "float", 1e-5, range=EPS_RANGE),
            Attr("cache_mode", "str", "PA_BSND", choices=CACHE_MODES)),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, samples=_samples, error_scale=_magnitude_scale,
+    tiling=_tiling, grid=_grid, kernel_costs=_kernel_costs, samples=_samples,
+    error_scale=_magnitude_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_mla_prolog, sweep=_sweep,
                             known_limitations=(OVERFLOWING_PROJECTIONS,)))
 

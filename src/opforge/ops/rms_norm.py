@@ -270,8 +270,9 @@ RMS_NORM_BACKWARD = OpDef(
     infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1),
     tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
-    workspace=norm.backward_workspace(_geometry, _partial_sets), samples=_backward_samples,
-    error_scale=_norm_scale,
+    workspace=norm.backward_workspace(_geometry, _partial_sets),
+    kernel_costs=norm.backward_kernel_costs(_geometry, _partial_sets, _cost(2, 1)),
+    samples=_backward_samples, error_scale=_norm_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm_backward,
                             sweep=_backward_sweep, known_limitations=(
                                 SHARED_ROW_STATISTIC, OVERFLOWING_ROW_SUM,

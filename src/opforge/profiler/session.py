@@ -76,6 +76,17 @@ def _tensor_record(spec: Any) -> dict[str, Any] | None:
     return {"shape": [int(d) for d in spec.shape], "dtype": dtype_name(spec.dtype)}
 
 
+def kernel_costs(plan: Any) -> dict[str, list[float]]:
+    """{kernel name: [FLOPs, bytes]} of the plan's Triton kernels when the operator declares
+    them (several kernels a call); empty otherwise."""
+    if plan.backend != "triton" or plan.op.kernel_costs is None or plan.tiling is None:
+        return {}
+    costs = plan.op.kernel_costs(plan.tiling, plan.grid, plan.inputs, plan.outputs,
+                                 plan.attrs)
+    return {name: [float(cost.flops), float(cost.bytes_moved)]
+            for name, cost in costs.items()}
+
+
 class Profile:
     """``with opforge.profile(out_dir) as prof:``: profile the block and write the report
     files into ``out_dir``; call ``prof.step()`` at the end of each step.
@@ -146,6 +157,7 @@ class Profile:
             "grid": [int(g) for g in plan.grid],
             "flops": float(plan.cost.flops),
             "bytes": float(plan.cost.bytes_moved),
+            "kernels": kernel_costs(plan),
         }
         with self._lock:
             self._records[sequence] = record

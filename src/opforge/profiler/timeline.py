@@ -351,7 +351,8 @@ def kernel_rows(timeline: Timeline, core: str) -> list[KernelRow]:
 
     A kernel gets a cost from the nearest operator around it that has one (opforge's
     record, or a cost derived for torch's operator), when that operator launched only this
-    kernel."""
+    kernel, or when the operator's record gives the kernel's own cost by its name (an
+    opforge operator that launches several)."""
     rows = []
     last_end: dict[Any, float] = {}
     for kernel in timeline.kernels:
@@ -360,7 +361,13 @@ def kernel_rows(timeline: Timeline, core: str) -> list[KernelRow]:
             if op.layer == "operator" and _cost(op) is not None:
                 costed = op
                 break
-        cost = _cost(costed) if costed is not None and _kernel_count(costed) == 1 else None
+        cost = None
+        if costed is not None:
+            own = (costed.record or {}).get("kernels", {}).get(kernel.name)
+            if own is not None:
+                cost = (own[0], own[1], _cost(costed)[2])
+            elif _kernel_count(costed) == 1:
+                cost = _cost(costed)
         describing = costed or kernel.owner
         shapes, dtypes = _inputs(describing) if describing is not None else ("", "")
         grid = kernel.args.get("grid")
