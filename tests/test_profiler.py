@@ -221,7 +221,16 @@ def test_plan_records_cost_each_kernel_of_multi_kernel_operators():
               {"normalized_shape": [32]}),
              ("mla_prolog", tuple(mla_inputs(5, torch.float32, "cpu",
                                              torch.Generator().manual_seed(0))), {})]
-    with opforge.use_backend("triton"):
+    # Planned for an H200: long rows and a reduction to four outputs take the split
+    # variants; the embedding gradient has an atomic and a deterministic form.
+    long_rows, ids = torch.randn(2, 1 << 20), torch.randint(0, 50, (300,))
+    cases += [("softmax", (long_rows,), {}), ("log_softmax_backward", (long_rows, long_rows), {}),
+              ("reduce_sum", (torch.randn(1 << 16, 4),), {"dims": (0,)}),
+              ("embedding_dense_grad", (torch.randn(300, 16), ids),
+               {"num_weights": 50, "deterministic": False}),
+              ("embedding_dense_grad", (torch.randn(300, 16), ids),
+               {"num_weights": 50, "deterministic": True})]
+    with opforge.use_backend("triton"), opforge.use_hardware("h200"):
         for op, inputs, attrs in cases:
             plan = opforge.plan(op, *inputs, **attrs)
             costs = kernel_costs(plan)

@@ -243,7 +243,7 @@ def _key_splits(query_blocks: int, heads: int, sk: int, block_n: int,
     Enough slices for two programs a core, each at least 4 key blocks long; none on the
     CPU (the interpreter pays per block operation, not per idle core)."""
     programs = query_blocks * heads
-    if hardware.device_type == "cpu" or programs >= hardware.core_count:
+    if hardware.device_type == "cpu" or not 0 < programs < hardware.core_count:
         return 1
     return max(1, min(cdiv(2 * hardware.core_count, programs), sk // (4 * block_n)))
 
@@ -886,8 +886,8 @@ if triton is not None:
             seen = total > 0
             out = acc / tl.where(seen, total, 1.0)[:, None]
             lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), NEG_INF)
-            tl.store(out_ptr + rows[:, None] * DV + value_dims[None, :],
-                     rounded_for(out, out_ptr), mask=mask)
+            out_ptrs = out_ptr + rows[:, None] * DV + value_dims[None, :]
+            tl.store(out_ptrs, rounded_for(out, out_ptr), mask=mask)
             tl.store(lse_ptr + rows, lse, mask=row_mask)  # float32 statistic
 
     @triton.jit

@@ -91,6 +91,26 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
                 * indices.itemsize + table * (outputs[0].itemsize + 8))
 
 
+def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> dict[str, Cost]:
+    """Atomic: each gradient row added into the float32 table (a read and a write of the
+    table row per position), then the table rounded into the output. Deterministic: one
+    pass over the sorted positions that writes each present row once (the sort and the
+    segment bounds are torch's operators, costed as theirs)."""
+    grad, indices = inputs
+    positions = indices.numel
+    width = grad.shape[-1] if grad.shape else 1
+    read = grad.numel * grad.itemsize + positions * indices.itemsize
+    table = outputs[0].numel
+    if use_deterministic(attrs):
+        return {"_segment_kernel": Cost(flops=grad.numel, bytes_moved=read + positions * 8
+                                        + min(positions * width, table)
+                                        * outputs[0].itemsize)}
+    return {"_atomic_kernel": Cost(flops=grad.numel, bytes_moved=read + 8 * grad.numel),
+            "_round_table_kernel": Cost(flops=0, bytes_moved=table
+                                        * (4 + outputs[0].itemsize))}
+
+
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
     """``BLOCK_M`` positions x ``BLOCK_D`` columns of the gradient (columns in blocks of
@@ -223,8 +243,8 @@ EMBEDDING_DENSE_GRAD = OpDef(
                 doc="sort-based kernel; None: torch's deterministic setting"),
            Attr("check_range", "bool", True, doc="check indices before the kernels")),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, workspace=_workspace, samples=_samples,
-    error_scale=_sum_scale,
+    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
+    samples=_samples, error_scale=_sum_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_embedding_backward,
                             sweep=_sweep, known_limitations=(OVERFLOWING_ROW_SUM,)),
     bench=BenchSpec(shapes=((4096, 4096, 128256), (16384, 4096, 128256)),

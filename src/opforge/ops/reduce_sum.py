@@ -89,6 +89,21 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
                 bytes_moved=x.numel * x.itemsize + out.numel * out.itemsize)
 
 
+def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> dict[str, Cost]:
+    """Split: the row kernel sums each slice of the reduced columns into float32 partials,
+    the second kernel sums the partials of each output; unsplit, one kernel."""
+    splits = grid[1]
+    if splits == 1:
+        return {}
+    x, out = inputs[0], outputs[0]
+    partials = 4 * splits * out.numel
+    return {"_reduce_rows_kernel": Cost(flops=x.numel, bytes_moved=x.numel * x.itemsize
+                                        + partials),
+            "_reduce_partials_kernel": Cost(flops=splits * out.numel, bytes_moved=partials
+                                            + out.numel * out.itemsize)}
+
+
 def _rows_and_cols(inputs: Specs, outputs: Specs) -> tuple[int, int]:
     rows = outputs[0].numel
     return rows, (inputs[0].numel // rows if rows else 0)
@@ -202,6 +217,7 @@ REDUCE_SUM = OpDef(
     tiling=_tiling,
     grid=_grid,
     workspace=_workspace,
+    kernel_costs=_kernel_costs,
     error_scale=_sum_abs_scale,
     samples=_samples,
     bench=BenchSpec(),

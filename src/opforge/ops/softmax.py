@@ -114,6 +114,31 @@ def _cost(exps_per_element: int, reads: int) -> Callable[..., object]:
     return cost
 
 
+def _kernel_costs(op: str, reads: int, backward: bool) -> Callable[..., dict[str, Cost]]:
+    """The split variant's two kernels (the rows variant is one): the first reads the
+    inputs and writes each chunk's float32 statistics (max and sum; the backward's one sum),
+    the second reads the inputs again with the merged statistics and writes the output.
+    Per element, the forward's first kernel takes a max, a subtraction, an exponential and
+    a sum, its second a subtraction, an exponential (softmax) and a division; the
+    backward's take a product and a sum, then a subtraction and a product."""
+    first, second = (("_softmax_backward_chunk_sums_kernel",
+                      "_softmax_backward_chunk_write_kernel") if backward else
+                     ("_softmax_chunk_stats_kernel", "_softmax_chunk_write_kernel"))
+
+    def costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+              attrs: Attrs) -> dict[str, Cost]:
+        if tiling.variant == "rows":
+            return {}
+        rows, _ = _rows_and_cols(inputs[0], _dim(inputs, attrs, op))
+        count = outputs[0].numel
+        read = sum(spec.numel * spec.itemsize for spec in inputs[:reads])
+        partials = rows * grid[1] * (4 if backward else 8)
+        return {first: Cost(flops=(2 if backward else 4) * count, bytes_moved=read + partials),
+                second: Cost(flops=(2 if backward else 3) * count,
+                             bytes_moved=read + partials + count * outputs[0].itemsize)}
+    return costs
+
+
 def _tiling(op: str, streams: int) -> Callable[..., object]:
     """Candidates: the rows variant when a row fits on chip, else the split variant.
     ``streams``: tensors a program holds per element (inputs read plus the float32
@@ -297,7 +322,8 @@ def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Ten
         name=name, doc=doc, inputs=(TensorArg("x"),), outputs=(OutputArg("out"),),
         attrs=(DIM,), infer_shape=_infer_shape, infer_dtype=same_dtype, check=_check(name),
         cost=_cost(1, 1), tiling=_tiling(name, 1), grid=_grid(name),
-        workspace=_workspace(name, 2), samples=_samples, autocast=AutocastPolicy.FP32,
+        workspace=_workspace(name, 2), kernel_costs=_kernel_costs(name, 1, backward=False),
+        samples=_samples, autocast=AutocastPolicy.FP32,
         error_scale=_softmax_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep,
                                 known_limitations=(SHARED_ROW_STATISTIC,)), bench=bench)
@@ -311,7 +337,8 @@ def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Te
         infer_dtype=same_dtype,
         check=_check(name, paired=True),
         cost=_cost(int(log), 2), tiling=_tiling(name, 2), grid=_grid(name),
-        workspace=_workspace(name, 1), samples=samples, error_scale=_gradient_scale(log),
+        workspace=_workspace(name, 1), kernel_costs=_kernel_costs(name, 2, backward=True),
+        samples=samples, error_scale=_gradient_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_backward_sweep(log),
                                 known_limitations=(SHARED_ROW_STATISTIC,
                                                    OVERFLOWING_ROW_SUM)))
