@@ -19,7 +19,10 @@ Usage (GPU machine)::
     PYTHONPATH=src:benchmarks python benchmarks/attention_tuning.py --out DIR
 
 ``--device cpu --seq 32`` with ``TRITON_INTERPRET=1`` is a smoke run of the script itself
-(the Triton kernels in the interpreter, the timings meaningless).
+(the Triton kernels in the interpreter, the timings meaningless). ``--compile-only cuda:90``
+(no GPU, no ``TRITON_INTERPRET``) compiles every configuration for the target and reports
+each kernel's registers and spill bytes: a first screen of the configurations before GPU
+time is spent on them.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import opforge
+from opforge import aot
 from opforge.core.opdef import Tiling
 from opforge.ops import attention
 from opforge.profiler.bench import time_call
@@ -42,12 +47,13 @@ from opforge.profiler.results import environment, write_results
 
 # Forward: (variant, (BLOCK_M queries held, BLOCK_N keys streamed), warps, stages): the
 # pointer kernel's best of the first sweep, then the tensor-descriptor variants (TMA copies,
-# with and without a warp-specialized key loop).
+# with and without a warp-specialized key loop; Triton's warp specialization pass rejects
+# 4 warps at these blocks, see --compile-only).
 FORWARD = (("flash", (128, 64), 4, 3), ("flash", (128, 64), 8, 3), ("flash", (64, 64), 4, 3),
            ("flash", (128, 64), 8, 2), ("flash_tma", (128, 64), 4, 3),
            ("flash_tma", (128, 64), 8, 3), ("flash_tma", (128, 128), 8, 3),
-           ("flash_tma", (128, 64), 8, 2), ("flash_tma_ws", (128, 64), 4, 3),
-           ("flash_tma_ws", (128, 128), 8, 2), ("flash_tma_ws", (128, 64), 8, 2))
+           ("flash_tma", (128, 64), 8, 2), ("flash_tma_ws", (128, 128), 8, 2),
+           ("flash_tma_ws", (128, 64), 8, 2))
 # Backward: ("flash", (dQ: BLOCK_M queries held, BLOCK_N keys streamed), (dK/dV: BLOCK_K
 # keys held, BLOCK_Q queries streamed), warps, stages): the first sweep's winners, large
 # held blocks with short streamed ones, deeper pipelines, and the small key blocks that
@@ -115,6 +121,34 @@ def relative_difference(results: Sequence[torch.Tensor], expected: Sequence[torc
                for r, e in zip(results, expected))
 
 
+def compile_rows(target_text: str, head_dims: Sequence[int]) -> list[dict[str, object]]:
+    """Every configuration compiled for a GPU target without the GPU (`opforge.aot`):
+    registers and spill stack per kernel. The tensor-descriptor variants are compiled as
+    such (the launcher would take the pointer kernel for CPU tensors)."""
+    target, hardware = aot.parse_target(target_text)
+    rows = []
+    for d in head_dims:
+        q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
+        lse = torch.zeros(1, 2, 256)
+        for kind, configs in (("forward", FORWARD), ("backward", BACKWARD)):
+            for config in configs:
+                attention._tiles = (lambda *a, config=config, d=d, **kw: [forced(config, d)])
+                with aot.recorded_launches(hardware) as recorder, mock.patch.object(
+                        attention, "_descriptors_usable", lambda *tensors: True):
+                    if kind == "forward":
+                        opforge.attention(q, q, q)
+                    else:
+                        opforge.attention_backward(q, q, q, q, q, lse)
+                for result in aot.compile_variants(recorder.variants.values(), target):
+                    row = {"head_dim": d, "pass": kind, "config": label(config),
+                           "kernel": result.variant.name, "registers": result.registers,
+                           "spill_bytes": result.stack_bytes,
+                           "error": "" if result.ok else result.error[:200]}
+                    print(row, flush=True)
+                    rows.append(row)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
@@ -123,12 +157,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
                         help="comma-separated head dims to sweep")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run on the interpreter")
+    parser.add_argument("--compile-only", metavar="TARGET",
+                        help="compile every configuration for TARGET (cuda:90) without a GPU "
+                             "and report registers and spills instead of timing")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    head_dims = [int(text) for text in args.head_dims.split(",")]
     original = attention._tiles
+    if args.compile_only:
+        rows = compile_rows(args.compile_only, head_dims)
+        attention._tiles = original
+        env = environment(torch.device("cpu"))
+        lines = [f"# Attention configurations compiled for {args.compile_only}", "",
+                 f"{env['date']} · no GPU · torch {env['torch']} · triton {env['triton']}",
+                 "", "| D | pass | config | kernel | registers | spill bytes |",
+                 "|---|---|---|---|---:|---:|"]
+        lines += [f"| {r['head_dim']} | {r['pass']} | {r['config']} | {r['kernel']} | "
+                  f"{r['registers']} | {r['spill_bytes'] if not r['error'] else r['error']} |"
+                  for r in rows]
+        write_results(args.out, "attention_compile", rows, "\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
+    device = torch.device(args.device)
     rows = []
     b, h, s = 4, 16, args.seq
-    for d in (int(text) for text in args.head_dims.split(",")):
+    for d in head_dims:
         q, k, v, dout = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
                          for _ in range(4))
         flops = 4 * b * h * s * s * d

@@ -18,12 +18,13 @@ Kernels must be real ``JITFunction``s: run without ``TRITON_INTERPRET``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -97,11 +98,19 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"cannot type kernel argument {value!r}")
 
 
-def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
-                    hardware: HardwareProfile) -> list[KernelVariant]:
-    """Run the operators' samples on the triton backend, tiled for ``hardware``, with
-    kernel launches recorded instead of executed; return the distinct variants, in
-    first-launch order.
+@dataclass
+class LaunchRecorder:
+    """The distinct kernel variants launched in a `recorded_launches` block, in
+    first-launch order; ``label`` names the operator the next launches belong to."""
+
+    variants: dict[tuple[Any, ...], KernelVariant] = field(default_factory=dict)
+    label: str = ""
+
+
+@contextlib.contextmanager
+def recorded_launches(hardware: HardwareProfile) -> Iterator[LaunchRecorder]:
+    """Within the block, operators run on the triton backend, tiled for ``hardware``, and
+    their kernel launches are recorded instead of executed.
 
     Raises:
         RuntimeError: the kernels are interpreted (``TRITON_INTERPRET`` is set).
@@ -110,8 +119,7 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
 
     if backends.interpreter_enabled():
         raise RuntimeError("the AOT check needs compiled kernels: unset TRITON_INTERPRET")
-    variants: dict[tuple[Any, ...], KernelVariant] = {}
-    current: list[str] = []
+    recorder = LaunchRecorder()
 
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
@@ -128,25 +136,40 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
         key = (self, tuple(signature.items()),
                tuple((k, id(v) if callable(v) else v) for k, v in constexprs.items()),
                tuple(options.items()))
-        variant = variants.setdefault(key, KernelVariant(self, signature, constexprs,
-                                                         options=options))
-        variant.ops.add(current[-1])
+        variant = recorder.variants.setdefault(key, KernelVariant(self, signature, constexprs,
+                                                                  options=options))
+        variant.ops.add(recorder.label)
 
     # The launch path checks that CPU tensors may run Triton kernels; recording needs that
     # check to pass even though nothing is interpreted.
-    with mock.patch.object(JITFunction, "run", record), \
-            mock.patch.object(backends, "_triton_refusal", lambda device: None), \
-            backends.use_backend("triton"), use_hardware(hardware):
+    try:
+        with mock.patch.object(JITFunction, "run", record), \
+                mock.patch.object(backends, "_triton_refusal", lambda device: None), \
+                backends.use_backend("triton"), use_hardware(hardware):
+            yield recorder
+    finally:
+        clear_caches()  # the plans chose triton for CPU tensors only for this recording
+
+
+def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
+                    hardware: HardwareProfile) -> list[KernelVariant]:
+    """Run the operators' samples on the triton backend, tiled for ``hardware``, with
+    kernel launches recorded instead of executed; return the distinct variants, in
+    first-launch order (and the int64-offset twin of each).
+
+    Raises:
+        RuntimeError: the kernels are interpreted (``TRITON_INTERPRET`` is set).
+    """
+    with recorded_launches(hardware) as recorder:
         for op in ops:
-            current.append(op.name)
+            recorder.label = op.name
             for dtype in dtypes:
                 if dtype not in op.inputs[0].dtypes:
                     continue
                 generator = torch.Generator().manual_seed(0)
                 for case in op.samples(dtype, torch.device("cpu"), generator):
                     plan(op, *case.inputs, **case.attrs).run(*case.inputs)
-    clear_caches()  # the plans above chose triton for CPU tensors only for this recording
-    recorded = list(variants.values())
+    recorded = list(recorder.variants.values())
     return recorded + [_wide_twin(v) for v in recorded if v.constexprs.get("WIDE") is False]
 
 
