@@ -54,14 +54,18 @@ FORWARD = (("flash", (128, 64), 4, 3), ("flash", (128, 64), 8, 3), ("flash", (64
            ("flash_tma", (128, 64), 8, 3), ("flash_tma", (128, 128), 8, 3),
            ("flash_tma", (128, 64), 8, 2), ("flash_tma_ws", (128, 128), 8, 2),
            ("flash_tma_ws", (128, 64), 8, 2))
-# Backward: ("flash", (dQ: BLOCK_M queries held, BLOCK_N keys streamed), (dK/dV: BLOCK_K
+# Backward: (variant, (dQ: BLOCK_M queries held, BLOCK_N keys streamed), (dK/dV: BLOCK_K
 # keys held, BLOCK_Q queries streamed), warps, stages): the first sweep's winners, large
-# held blocks with short streamed ones, deeper pipelines, and the small key blocks that
-# keep head dim 256's float32 dK and dV in registers.
-BACKWARD = tuple(("flash", *config) for config in (
-    ((64, 64), (64, 64), 4, 2), ((64, 64), (64, 64), 4, 3), ((128, 32), (128, 32), 4, 3),
-    ((128, 32), (128, 32), 4, 4), ((128, 32), (64, 64), 8, 3), ((128, 64), (64, 64), 8, 2),
-    ((64, 32), (32, 64), 4, 2), ((64, 32), (32, 64), 4, 3), ((64, 32), (32, 32), 4, 2)))
+# held blocks with short streamed ones, deeper pipelines, the small key blocks that keep
+# head dim 256's float32 dK and dV in registers; then the streamed blocks by tensor
+# descriptor.
+BACKWARD_BLOCKS = (((64, 64), (64, 64), 4, 2), ((64, 64), (64, 64), 4, 3),
+                   ((128, 32), (128, 32), 4, 3), ((128, 32), (64, 64), 8, 3),
+                   ((128, 64), (64, 64), 8, 2), ((64, 32), (32, 64), 4, 2),
+                   ((64, 32), (32, 64), 4, 3), ((64, 32), (32, 32), 4, 2))
+BACKWARD = (tuple(("flash", *config) for config in BACKWARD_BLOCKS)
+            + tuple(("flash_tma", *config) for config in BACKWARD_BLOCKS
+                    if config[2:] != (4, 3)))
 HEAD_DIMS = (64, 128, 256)
 SDPA_BACKENDS = {"SDPA flash": SDPBackend.FLASH_ATTENTION,
                  "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION}

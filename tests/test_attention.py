@@ -161,28 +161,41 @@ class _RecordedKernel:
     (torch.bfloat16, 12, False)])  # 24-byte rows: not TMA-aligned, the pointer kernel
 def test_descriptor_variants_match_the_golden(variant, causal, dtype, d, by_descriptor,
                                               monkeypatch):
-    """The forward variants that read keys and values by tensor descriptor (with and
-    without a warp-specialized key loop), on odd lengths with GQA: the descriptor's bounds
-    replace the masks, so blocks past Sk and head columns past D must read 0. Inputs whose
-    rows descriptors cannot address fall back to the pointer kernel."""
+    """The variants that read their streamed blocks by tensor descriptor (the forward's
+    keys and values, with and without a warp-specialized key loop; the backward's keys and
+    values for dQ, queries and output gradients for dK/dV), on odd lengths with GQA: the
+    descriptor's bounds replace the masks, so blocks past the sequence and head columns
+    past D must read 0. Inputs whose rows descriptors cannot address fall back to the
+    pointer kernels."""
     from opforge.ops import attention
 
     def tiles(sq, sk, d, dv, item, hardware, backward):
         block_d = max(16, 1 << (d - 1).bit_length())
         return [Tiling(variant, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d,
-                                 "BLOCK_DV": block_d}, 0, double_buffered=False)]
+                                 "BLOCK_DV": block_d, "BLOCK_K": 16, "BLOCK_Q": 32}, 0,
+                       double_buffered=False)]
 
-    recorded = _RecordedKernel(attention._attention_forward_kernel)
+    kernels = {name: _RecordedKernel(getattr(attention, name)) for name in (
+        "_attention_forward_kernel", "_attention_query_side_kernel",
+        "_attention_key_side_kernel")}
     monkeypatch.setattr(attention, "_tiles", tiles)
-    monkeypatch.setattr(attention, "_attention_forward_kernel", recorded)
+    for name, recorded in kernels.items():
+        monkeypatch.setattr(attention, name, recorded)
     opforge.clear_caches()
     q, k, v = _qkv(2, 4, 2, 45, 70, d, dtype=dtype, seed=d)
+    attrs = {"causal": causal}
     with opforge.use_backend("triton"):
         out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn_like(q)
+        grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
     opforge.clear_caches()
-    assert [launch["DESCRIPTORS"] for launch in recorded.launches] == [by_descriptor]
-    assert recorded.launches[0]["WARP_SPECIALIZE"] == (by_descriptor and variant.endswith("ws"))
-    assert_golden(ATTENTION, Case("descriptors", (q, k, v), {"causal": causal}), (out, lse))
+    for recorded in kernels.values():
+        assert [launch["DESCRIPTORS"] for launch in recorded.launches] == [by_descriptor]
+    forward = kernels["_attention_forward_kernel"].launches[0]
+    assert forward["WARP_SPECIALIZE"] == (by_descriptor and variant.endswith("ws"))
+    assert_golden(ATTENTION, Case("descriptors", (q, k, v), attrs), (out, lse))
+    assert_golden(ATTENTION_BACKWARD, Case("descriptors", (dout, q, k, v, out, lse, None),
+                                           attrs), grads)
 
 
 def test_causal_is_aligned_bottom_right(backend):

@@ -30,7 +30,10 @@ Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rows
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
 query block and every query head of its group (no atomics: deterministic), and one kernel
 per query block accumulates ``dq``; the key side computes the transposed products (``S^T
-= K Q^T``), so that no computed tile is transposed on chip. With ``P = exp(S - lse)`` and
+= K Q^T``), so that no computed tile is transposed on chip. The ``flash_tma`` variants
+stream their blocks by tensor descriptor here too (keys and values for dQ, queries and
+output gradients for dK/dV): without the pointer tiles the kernels spill far less
+(`benchmarks/attention_tuning.py --compile-only`). With ``P = exp(S - lse)`` and
 ``dS = P * (dP - delta)``, the formulas hold for any key subset as long as ``out`` and
 ``lse`` are those of the full attention: the ring attention runs this backward on one key
 block at a time.
@@ -707,28 +710,31 @@ if triton is not None:
         return visible
 
     @triton.jit
-    def _key_value_block(k_base, v_base, k_desc, v_desc, stride_kn, stride_kd, stride_vn,
-                         stride_vd, first_col, Sk, D, DV, UPCAST: tl.constexpr,
-                         DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """Keys transposed ``[BLOCK_D, BLOCK_N]`` and values ``[BLOCK_N, BLOCK_DV]`` of the
-        block at ``first_col``: by tensor descriptor (TMA copies; rows past Sk and columns
-        past D read 0) or by masked pointer loads."""
+    def _rows_block(base, desc, first, stride_row, stride_col, limit, width,
+                    TRANSPOSED: tl.constexpr, DESCRIPTORS: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        """Rows [first, first + BLOCK_ROWS) x BLOCK_COLS columns of a ``limit x width``
+        matrix as a dot operand, ``[BLOCK_ROWS, BLOCK_COLS]`` or ``TRANSPOSED``: by tensor
+        descriptor (TMA copies; rows past limit and columns past width read 0) or by
+        masked pointer loads (straight into the transposed layout when asked)."""
         if DESCRIPTORS:
-            keys_t = tl.trans(k_desc.load([first_col, 0]))  # dot operand, kept in its dtype
-            values = v_desc.load([first_col, 0])  # dot operand, kept in its dtype
+            block = desc.load([first, 0])  # dot operand, kept in its dtype
             if UPCAST:
-                keys_t, values = widen(keys_t), widen(values)
+                block = widen(block)
+            if TRANSPOSED:
+                block = tl.trans(block)
         else:
-            cols = first_col + tl.arange(0, BLOCK_N)
-            dims = tl.arange(0, BLOCK_D)
-            value_dims = tl.arange(0, BLOCK_DV)
-            keys_t = dot_operand(k_base + cols[None, :] * stride_kn + dims[:, None] * stride_kd,
-                                 (cols < Sk)[None, :] & (dims < D)[:, None], UPCAST)
-            values = dot_operand(v_base + cols[:, None] * stride_vn
-                                 + value_dims[None, :] * stride_vd,
-                                 (cols < Sk)[:, None] & (value_dims < DV)[None, :], UPCAST)
-        return keys_t, values
+            rows = first + tl.arange(0, BLOCK_ROWS)
+            cols = tl.arange(0, BLOCK_COLS)
+            if TRANSPOSED:
+                block = dot_operand(base + rows[None, :] * stride_row + cols[:, None]
+                                    * stride_col,
+                                    (rows < limit)[None, :] & (cols < width)[:, None], UPCAST)
+            else:
+                block = dot_operand(base + rows[:, None] * stride_row + cols[None, :]
+                                    * stride_col,
+                                    (rows < limit)[:, None] & (cols < width)[None, :], UPCAST)
+        return block
 
     @triton.jit
     def _forward_step(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
@@ -739,9 +745,10 @@ if triton is not None:
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """One key block of the online softmax: scores in the log2 domain, float32 running
         max ``m_i`` and sum ``l_i``."""
-        keys_t, values = _key_value_block(k_base, v_base, k_desc, v_desc, stride_kn,
-                                          stride_kd, stride_vn, stride_vd, first_col, Sk, D,
-                                          DV, UPCAST, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        keys_t = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, True,
+                             DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
+        values = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV, False,
+                             DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
         # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
         scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
         if MASKED:
@@ -891,21 +898,19 @@ if triton is not None:
             tl.store(lse_ptr + rows, lse, mask=row_mask)  # float32 statistic
 
     @triton.jit
-    def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn, stride_kd,
-                         stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV, qk_scale,
-                         like_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
+                         stride_kn, stride_kd, stride_vn, stride_vd, rows, start, end, Sk,
+                         offset, D, DV, qk_scale, like_ptr, CAUSAL: tl.constexpr,
+                         MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                         DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """dQ over the key blocks in [start, end): P from lse, dS = P (dP - delta)."""
-        dims = tl.arange(0, BLOCK_D)
-        value_dims = tl.arange(0, BLOCK_DV)
         for first_col in range(start, end, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
-            keys = dot_operand(k_base + cols[:, None] * stride_kn + dims[None, :] * stride_kd,
-                               (cols < Sk)[:, None] & (dims < D)[None, :], UPCAST)
-            values_t = dot_operand(v_base + cols[None, :] * stride_vn
-                                   + value_dims[:, None] * stride_vd,
-                                   (cols < Sk)[None, :] & (value_dims < DV)[:, None], UPCAST)
+            keys = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, False,
+                               DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
+            values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
+                                   True, DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
             scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
             p = tl.exp2(scores - lse2[:, None])
             if MASKED:
@@ -924,10 +929,12 @@ if triton is not None:
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, D, DV,
             CAUSAL: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
-            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
         """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
-        side), then dQ."""
+        side), then dQ, the keys and values streamed (by tensor descriptor when
+        ``DESCRIPTORS``)."""
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, h = head // H, head % H
         q_base = q_ptr + batch * stride_qb + h * stride_qh
@@ -935,6 +942,14 @@ if triton is not None:
         out_base = out_ptr + batch * stride_ob + h * stride_oh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        if DESCRIPTORS:
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_kn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, DV],
+                                               strides=[stride_vn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_DV])
+        else:
+            k_desc, v_desc = k_base, v_base
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
@@ -961,39 +976,37 @@ if triton is not None:
             lse2 = lse2 * LOG2E
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
-            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn,
-                                  stride_kd, stride_vn, stride_vd, rows, 0, full_end, Sk,
-                                  offset, D, DV, qk_scale, q_ptr, CAUSAL, False, UPCAST,
-                                  PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
-            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, stride_kn,
-                                  stride_kd, stride_vn, stride_vd, rows, full_end, end, Sk,
-                                  offset, D, DV, qk_scale, q_ptr, CAUSAL, True, UPCAST,
-                                  PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
+                                  full_end, Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, False,
+                                  UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+            dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, full_end,
+                                  end, Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, True,
+                                  UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
             dq_ptrs = dq_ptr + head * Sq * D + rows[:, None] * D + dims[None, :]
             tl.store(dq_ptrs, rounded_for(dq * scale, dq_ptr), mask=q_mask)
 
     @triton.jit
-    def _key_side_queries(dk, dv, keys, values, q_base, dout_base, lse_base, delta_base,
-                          stride_qm, stride_qd, stride_dm, stride_dd, cols, start, end, Sq,
-                          Sk, offset, D, DV, qk_scale, like_ptr, CAUSAL: tl.constexpr,
-                          MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                          PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc,
+                          lse_base, delta_base, stride_qm, stride_qd, stride_dm, stride_dd,
+                          cols, start, end, Sq, Sk, offset, D, DV, qk_scale, like_ptr,
+                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                          BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
         """dK and dV of one key block over the query blocks in [start, end), transposed:
         ``S^T = K Q^T`` (keys x queries), so that ``P^T`` and ``dS^T`` leave their products
         in the layout of the next product's left operand; a transpose of a computed tile
         would cost a round trip through shared memory per step. Rows past Sq read lse =
         +inf, so their P is exactly 0 without a mask."""
-        dims = tl.arange(0, BLOCK_D)
-        value_dims = tl.arange(0, BLOCK_DV)
         for first_row in range(start, end, BLOCK_Q):
             rows = first_row + tl.arange(0, BLOCK_Q)
             row_mask = rows < Sq
-            q_t = dot_operand(q_base + rows[None, :] * stride_qm + dims[:, None] * stride_qd,
-                              row_mask[None, :] & (dims < D)[:, None], UPCAST)
-            dout = dot_operand(dout_base + rows[:, None] * stride_dm
-                               + value_dims[None, :] * stride_dd,
-                               row_mask[:, None] & (value_dims < DV)[None, :], UPCAST)
+            q_t = _rows_block(q_base, q_desc, first_row, stride_qm, stride_qd, Sq, D, True,
+                              DESCRIPTORS, UPCAST, BLOCK_Q, BLOCK_D)
+            dout = _rows_block(dout_base, dout_desc, first_row, stride_dm, stride_dd, Sq, DV,
+                               False, DESCRIPTORS, UPCAST, BLOCK_Q, BLOCK_DV)
             lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
             lse2 = lse2 * LOG2E
             delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
@@ -1017,10 +1030,13 @@ if triton is not None:
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, D, DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-            PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_K`` keys of one key/value head: dK and dV summed over the
-        ``BLOCK_Q`` query blocks of every query head in its group, in a fixed order."""
+        ``BLOCK_Q`` query blocks of every query head in its group, in a fixed order, the
+        queries and their output gradients streamed (by tensor descriptor when
+        ``DESCRIPTORS``)."""
         kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, hkv = kv_head // HKV, kv_head % HKV
         k_base = k_ptr + batch * stride_kb + hkv * stride_kh
@@ -1054,18 +1070,29 @@ if triton is not None:
                 head = batch * H + hkv * GROUP + g
                 q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
                 dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
-                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base,
-                                           lse_ptr + head * Sq, delta_ptr + head * Sq,
-                                           stride_qm, stride_qd, stride_dm, stride_dd, cols,
-                                           start, full_start, Sq, Sk, offset, D, DV, qk_scale,
-                                           q_ptr, CAUSAL, True, UPCAST, PRECISION, BLOCK_Q,
-                                           BLOCK_D, BLOCK_DV)
-                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base,
-                                           lse_ptr + head * Sq, delta_ptr + head * Sq,
-                                           stride_qm, stride_qd, stride_dm, stride_dd, cols,
-                                           full_start, Sq, Sq, Sk, offset, D, DV, qk_scale,
-                                           q_ptr, CAUSAL, False, UPCAST, PRECISION, BLOCK_Q,
-                                           BLOCK_D, BLOCK_DV)
+                if DESCRIPTORS:
+                    q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D],
+                                                       strides=[stride_qm, 1],
+                                                       block_shape=[BLOCK_Q, BLOCK_D])
+                    dout_desc = tl.make_tensor_descriptor(dout_base, shape=[Sq, DV],
+                                                          strides=[stride_dm, 1],
+                                                          block_shape=[BLOCK_Q, BLOCK_DV])
+                else:
+                    q_desc, dout_desc = q_base, dout_base
+                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
+                                           dout_desc, lse_ptr + head * Sq,
+                                           delta_ptr + head * Sq, stride_qm, stride_qd,
+                                           stride_dm, stride_dd, cols, start, full_start, Sq,
+                                           Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, True,
+                                           UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
+                                           BLOCK_DV)
+                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
+                                           dout_desc, lse_ptr + head * Sq,
+                                           delta_ptr + head * Sq, stride_qm, stride_qd,
+                                           stride_dm, stride_dd, cols, full_start, Sq, Sq, Sk,
+                                           offset, D, DV, qk_scale, q_ptr, CAUSAL, False,
+                                           UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
+                                           BLOCK_DV)
             dk_ptrs = dk_ptr + kv_head * Sk * D + cols[:, None] * D + dims[None, :]
             tl.store(dk_ptrs, rounded_for(dk * scale, dk_ptr), mask=k_mask)
             dv_ptrs = dv_ptr + kv_head * Sk * DV + cols[:, None] * DV + value_dims[None, :]
@@ -1192,8 +1219,15 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     grad_lse = None if grad_lse is None else grad_lse.contiguous()
     delta = workspace[:4 * b * h * sq].view(torch.float32)
     tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
+    # The streamed blocks (keys and values for dQ, queries and dout for dK/dV) by tensor
+    # descriptor when the tiling's variant asks and the tensors allow.
+    descriptors = FORWARD_VARIANTS[plan.tiling.variant][0] and _descriptors_usable(q, k, v,
+                                                                                   dout)
+    if descriptors and q.device.type == "cuda":
+        _use_scratch_allocator()
     query_side = _launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
     key_side = _launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
+    query_side["DESCRIPTORS"] = key_side["DESCRIPTORS"] = descriptors
     scale = _scale_of(plan.attrs, d)
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
