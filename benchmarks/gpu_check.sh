@@ -17,8 +17,10 @@
 #                  into profile_tiny_moe_lm/
 #   bench          `opforge bench` of every benchmarked operator (eager, compile, Liger)
 #   demo           `opforge demo` on the GPU (the tiny MoE LM on the Triton kernels)
-#   attention_tuning  benchmarks/attention_tuning.py: the attention block-size sweep
-#                  against SDPA (not in the default STEPS: ask for it)
+#   attention_tuning  benchmarks/attention_tuning.py: the attention configuration sweep
+#                  (pointer and tensor-descriptor variants) against SDPA's flash and
+#                  cuDNN backends, head dims TUNING_HEAD_DIMS (default 64,128; not in
+#                  the default STEPS: ask for it)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
@@ -102,6 +104,7 @@ step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device c
 step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \
   --quiet
 step attention_tuning "${TUNING_TIMEOUT:-400}" "$PYTHON" benchmarks/attention_tuning.py \
+  --head-dims "${TUNING_HEAD_DIMS:-64,128}" \
   --out "$OUT"
 
 echo "=== summary"
