@@ -70,16 +70,23 @@ def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, query_side
         return [Tiling("flash", blocks, 0, double_buffered=False)]
 
     monkeypatch.setattr(attention, "_tiles", tiles)
-    opforge.clear_caches()
-    q, k, v = _qkv(1, 4, 2, sq, sk, 16, seed=sq + query_side[0])
+    _assert_both_passes_match_the_golden(_qkv(1, 4, 2, sq, sk, 16, seed=sq + query_side[0]),
+                                         causal)
+
+
+def _assert_both_passes_match_the_golden(qkv: list[torch.Tensor], causal: bool) -> None:
+    """Forward, then the backward from its own out and lse, on the Triton kernels (with
+    fresh plans), both against the float64 golden."""
+    q, k, v = qkv
     attrs = {"causal": causal}
+    opforge.clear_caches()
     with opforge.use_backend("triton"):
         out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
         dout = torch.randn_like(q)
         grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
     opforge.clear_caches()
-    assert_golden(ATTENTION, Case("tiles", (q, k, v), attrs), (out, lse))
-    assert_golden(ATTENTION_BACKWARD, Case("tiles", (dout, q, k, v, out, lse, None), attrs),
+    assert_golden(ATTENTION, Case("forced", (q, k, v), attrs), (out, lse))
+    assert_golden(ATTENTION_BACKWARD, Case("forced", (dout, q, k, v, out, lse, None), attrs),
                   grads)
 
 
@@ -181,21 +188,12 @@ def test_descriptor_variants_match_the_golden(variant, causal, dtype, d, by_desc
     monkeypatch.setattr(attention, "_tiles", tiles)
     for name, recorded in kernels.items():
         monkeypatch.setattr(attention, name, recorded)
-    opforge.clear_caches()
-    q, k, v = _qkv(2, 4, 2, 45, 70, d, dtype=dtype, seed=d)
-    attrs = {"causal": causal}
-    with opforge.use_backend("triton"):
-        out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
-        dout = torch.randn_like(q)
-        grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    opforge.clear_caches()
+    _assert_both_passes_match_the_golden(_qkv(2, 4, 2, 45, 70, d, dtype=dtype, seed=d),
+                                         causal)
     for recorded in kernels.values():
         assert [launch["DESCRIPTORS"] for launch in recorded.launches] == [by_descriptor]
     forward = kernels["_attention_forward_kernel"].launches[0]
     assert forward["WARP_SPECIALIZE"] == (by_descriptor and variant.endswith("ws"))
-    assert_golden(ATTENTION, Case("descriptors", (q, k, v), attrs), (out, lse))
-    assert_golden(ATTENTION_BACKWARD, Case("descriptors", (dout, q, k, v, out, lse, None),
-                                           attrs), grads)
 
 
 def test_causal_is_aligned_bottom_right(backend):

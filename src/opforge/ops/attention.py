@@ -710,6 +710,24 @@ if triton is not None:
         return visible
 
     @triton.jit
+    def _row_descriptors(a_base, b_base, rows, a_width, b_width, a_stride, b_stride,
+                         DESCRIPTORS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         A_COLS: tl.constexpr, B_COLS: tl.constexpr):
+        """Tensor descriptors of two ``rows``-row matrices of one head (keys and values,
+        or queries and output gradients), blocks of ``BLOCK_ROWS`` rows; the base pointers
+        themselves without ``DESCRIPTORS``. Each descriptor's bounds are the head's, so
+        blocks past the last row and columns past the width read 0 without a mask (the
+        launcher checked that rows are contiguous and 16-byte aligned)."""
+        if DESCRIPTORS:
+            a = tl.make_tensor_descriptor(a_base, shape=[rows, a_width], strides=[a_stride, 1],
+                                          block_shape=[BLOCK_ROWS, A_COLS])
+            b = tl.make_tensor_descriptor(b_base, shape=[rows, b_width], strides=[b_stride, 1],
+                                          block_shape=[BLOCK_ROWS, B_COLS])
+        else:
+            a, b = a_base, b_base
+        return a, b
+
+    @triton.jit
     def _rows_block(base, desc, first, stride_row, stride_col, limit, width,
                     TRANSPOSED: tl.constexpr, DESCRIPTORS: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
@@ -811,17 +829,8 @@ if triton is not None:
         q_base = q_ptr + batch * stride_qb + h * stride_qh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
-        if DESCRIPTORS:
-            # One descriptor per head: its bounds are the head's, so the blocks past Sk
-            # and the columns past D read 0 without a mask (the launcher checked that
-            # the rows are contiguous and 16-byte aligned).
-            k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_kn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, DV],
-                                               strides=[stride_vn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_DV])
-        else:
-            k_desc, v_desc = k_base, v_base
+        k_desc, v_desc = _row_descriptors(k_base, v_base, Sk, D, DV, stride_kn, stride_vn,
+                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
         slot = tl.program_id(2) * heads + head
         out_base = out_ptr + slot * Sq * DV
         lse_base = lse_ptr + slot * Sq
@@ -942,14 +951,8 @@ if triton is not None:
         out_base = out_ptr + batch * stride_ob + h * stride_oh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
-        if DESCRIPTORS:
-            k_desc = tl.make_tensor_descriptor(k_base, shape=[Sk, D], strides=[stride_kn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[Sk, DV],
-                                               strides=[stride_vn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_DV])
-        else:
-            k_desc, v_desc = k_base, v_base
+        k_desc, v_desc = _row_descriptors(k_base, v_base, Sk, D, DV, stride_kn, stride_vn,
+                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
@@ -1070,15 +1073,9 @@ if triton is not None:
                 head = batch * H + hkv * GROUP + g
                 q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
                 dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
-                if DESCRIPTORS:
-                    q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, D],
-                                                       strides=[stride_qm, 1],
-                                                       block_shape=[BLOCK_Q, BLOCK_D])
-                    dout_desc = tl.make_tensor_descriptor(dout_base, shape=[Sq, DV],
-                                                          strides=[stride_dm, 1],
-                                                          block_shape=[BLOCK_Q, BLOCK_DV])
-                else:
-                    q_desc, dout_desc = q_base, dout_base
+                q_desc, dout_desc = _row_descriptors(q_base, dout_base, Sq, D, DV, stride_qm,
+                                                     stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
+                                                     BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + head * Sq,
                                            delta_ptr + head * Sq, stride_qm, stride_qd,
