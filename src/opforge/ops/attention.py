@@ -1129,9 +1129,10 @@ FORWARD_VARIANTS = {"flash": (False, False), "flash_tma": (True, False),
 
 
 def _descriptors_usable(*tensors: torch.Tensor) -> bool:
-    """Whether keys and values can be read by tensor descriptor: a Triton that has
-    on-device descriptors, a Hopper-or-newer GPU (or the interpreter), contiguous rows, and
-    every head's rows starting on 16 bytes (TMA's alignment rule)."""
+    """Whether the streamed tensors (keys and values; in the backward also queries and
+    output gradients) can be read by tensor descriptor: a Triton that has on-device
+    descriptors, a Hopper-or-newer GPU (or the interpreter), contiguous rows, and every
+    head's rows starting on 16 bytes (TMA's alignment rule)."""
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     device = tensors[0].device
@@ -1151,7 +1152,8 @@ _scratch_allocator_set = False
 
 def _use_scratch_allocator() -> None:
     """On-device descriptors live in global scratch memory that Triton asks its allocator
-    for; set one (torch's caching allocator) the first time a descriptor kernel runs."""
+    for; set one (torch's caching allocator, replacing any set before) the first time a
+    descriptor kernel runs."""
     global _scratch_allocator_set
     if not _scratch_allocator_set:
         triton.set_allocator(lambda size, alignment, stream: torch.empty(
