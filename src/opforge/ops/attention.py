@@ -815,13 +815,18 @@ if triton is not None:
             stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D,
             DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr):
+            EXACT_HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_M`` queries of one head and one slice of the keys
         (``program_id(2)``; one slice holding every key unless the keys are split): out and
         lse of the slice, into ``out``/``lse`` or, split, into the float32 partials of
         slice ``program_id(2)`` (laid out ``[slices, heads, Sq, DV]`` and ``[slices, heads,
         Sq]``)."""
+        if EXACT_HEAD:
+            # The blocks are as wide as the heads: head widths as constants fold the
+            # column masks away (fewer registers: the pointer kernels spill less).
+            D = BLOCK_D
+            DV = BLOCK_DV
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         split_start = tl.program_id(2) * keys_per_split
         split_end = split_start + keys_per_split
@@ -939,11 +944,16 @@ if triton is not None:
             stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, D, DV,
             CAUSAL: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr):
+            EXACT_HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
         side), then dQ, the keys and values streamed (by tensor descriptor when
         ``DESCRIPTORS``)."""
+        if EXACT_HEAD:
+            # The blocks are as wide as the heads: head widths as constants fold the
+            # column masks away (fewer registers: the pointer kernels spill less).
+            D = BLOCK_D
+            DV = BLOCK_DV
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, h = head // H, head % H
         q_base = q_ptr + batch * stride_qb + h * stride_qh
@@ -1034,12 +1044,17 @@ if triton is not None:
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, D, DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
-            BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr):
+            EXACT_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_K`` keys of one key/value head: dK and dV summed over the
         ``BLOCK_Q`` query blocks of every query head in its group, in a fixed order, the
         queries and their output gradients streamed (by tensor descriptor when
         ``DESCRIPTORS``)."""
+        if EXACT_HEAD:
+            # The blocks are as wide as the heads: head widths as constants fold the
+            # column masks away (fewer registers: the pointer kernels spill less).
+            D = BLOCK_D
+            DV = BLOCK_DV
         kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, hkv = kv_head // HKV, kv_head % HKV
         k_base = k_ptr + batch * stride_kb + hkv * stride_kh
@@ -1123,6 +1138,13 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
             "WIDE": reach > INT32_LIMIT, **chosen, **launch_options(plan.tiling)}
 
 
+def _exact_head(options: dict[str, object], d: int, dv: int) -> bool:
+    """Whether the head dims fill their blocks (64, 128, 256 do): the pointer kernels then
+    take them as constants. The descriptor kernels have no column masks to fold, and the
+    constants cost them registers (`attention_tuning.py --compile-only`)."""
+    return (d, dv) == (options["BLOCK_D"], options["BLOCK_DV"])
+
+
 # Forward variants: (keys and values by tensor descriptor, warp-specialized key loop).
 FORWARD_VARIANTS = {"flash": (False, False), "flash_tma": (True, False),
                     "flash_tma_ws": (True, True)}
@@ -1194,7 +1216,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         _attention_forward_kernel[(plan.grid[0], count, splits)](
             q, k, v, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split, qk_scale,
             *q.stride(), *k.stride(), *v.stride(), d, dv, DESCRIPTORS=descriptors,
-            WARP_SPECIALIZE=warp_specialize, **options)
+            WARP_SPECIALIZE=warp_specialize,
+            EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, **options)
     if splits > 1:
         _attention_merge_kernel[(max(1, min(cdiv(rows, MERGE_ROWS), MAX_PROGRAMS)),)](
             *targets, out, lse, rows, splits, dv, BLOCK_M=MERGE_ROWS,
@@ -1227,6 +1250,8 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     query_side = _launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
     key_side = _launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
     query_side["DESCRIPTORS"] = key_side["DESCRIPTORS"] = descriptors
+    query_side["EXACT_HEAD"] = key_side["EXACT_HEAD"] = (_exact_head(query_side, d, dv)
+                                                         and not descriptors)
     scale = _scale_of(plan.attrs, d)
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
