@@ -83,7 +83,7 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 cat "$OUT/env.txt"
 record env "$rc" "$start"
 
-step gpu_bench "${BENCH_TIMEOUT:-120}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
+step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
   --sizes 8192x8192
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
@@ -103,7 +103,7 @@ step bench "${OPFORGE_BENCH_TIMEOUT:-300}" "$PYTHON" -m opforge bench --device c
   --dtype bfloat16 --out "$OUT/bench" --quiet
 step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "$OUT/demo" \
   --quiet
-step attention_tuning "${TUNING_TIMEOUT:-400}" "$PYTHON" benchmarks/attention_tuning.py \
+step attention_tuning "${TUNING_TIMEOUT:-380}" "$PYTHON" benchmarks/attention_tuning.py \
   --head-dims "${TUNING_HEAD_DIMS:-64,128}" \
   --out "$OUT"
 
