@@ -41,20 +41,32 @@ def _rank_main(rank: int, world: int, init_file: str, body: Callable[..., None],
     on the torch backend, and on success wait for every rank before closing the
     connections (a rank that tears down while a peer's last receive is in flight aborts
     that peer; on failure there is no barrier, which would wait for ranks still
-    working)."""
+    working). After the barrier, a marker file says that every check of this rank
+    passed."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
     with opforge.use_backend("torch"):
         body(rank, *args)
     dist.barrier()
+    open(f"{init_file}.passed{rank}", "w").close()
     dist.destroy_process_group()
 
 
 def _spawn(world: int, body: Callable[..., None], *args: object) -> None:
+    """Run ``body`` on ``world`` ranks. A rank killed by a signal fails the test unless
+    every rank had already passed its checks and the final barrier: gloo sometimes aborts
+    a rank while closing its connections (``terminate called without an active
+    exception``), which is gloo's teardown, not what these tests check. An exception in a
+    rank always fails the test."""
     with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_rank_main, args=(world, os.path.join(directory, "init"), body, args),
-                 nprocs=world, join=True)
+        init_file = os.path.join(directory, "init")
+        try:
+            mp.spawn(_rank_main, args=(world, init_file, body, args), nprocs=world,
+                     join=True)
+        except mp.ProcessExitedException:
+            if not all(os.path.exists(f"{init_file}.passed{rank}") for rank in range(world)):
+                raise
 
 
 def _check_against_one_process(run: Callable[..., torch.Tensor], causal: bool,
