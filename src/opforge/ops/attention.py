@@ -493,12 +493,11 @@ def _backward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
     return [inputs[i].dtype for i in (1, 2, 3)]
 
 
-def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
-                           outputs: Specs, attrs: Attrs) -> dict[str, Cost]:
+def _backward_sides(inputs: Specs, attrs: Attrs) -> dict[str, Cost]:
     """Per visible pair, the query side computes S, dP and dQ (2D + Dv multiply-adds) and the
     key side S, dV, dP and dK (2D + 2Dv); the query side reads q, dout, out, lse and every
     key and value once and writes dq and delta, the key side reads q, dout, lse, delta and
-    writes dk and dv."""
+    every key and value, and writes dk and dv."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
     pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
     item = inputs[1].itemsize
@@ -510,15 +509,22 @@ def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
                 2 * pairs * (2 * d + 2 * dv), b * h * sq * (d + dv) * item + statistics + 2 * keys)}
 
 
+def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
+                           outputs: Specs, attrs: Attrs) -> dict[str, Cost]:
+    """The dQ and dK/dV kernels' costs (`_backward_sides`), whatever the tiling."""
+    return _backward_sides(inputs, attrs)
+
+
 def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     """The two kernels' products (S and dP recomputed on each side: 4D + 3Dv multiply-adds
-    per visible pair); every input read once, gradients written once."""
+    per visible pair); every input read once and the gradients written once (the kernels
+    each read the keys and values: the sum of their bytes counts those twice)."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
-    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
     item = inputs[1].itemsize
     query_side = b * h * sq * (2 * d + 2 * dv) * item + 2 * b * h * sq * 4
     key_side = b * hkv * sk * 2 * (d + dv) * item
-    return Cost(flops=2 * pairs * (4 * d + 3 * dv), bytes_moved=query_side + key_side)
+    flops = sum(cost.flops for cost in _backward_sides(inputs, attrs).values())
+    return Cost(flops=flops, bytes_moved=query_side + key_side)
 
 
 def _backward_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
