@@ -2,14 +2,24 @@
 
 The schema, the fake implementation and the autocast rule are derived from the OpDef; the
 real implementation is ``plan(...).run(...)``; the autograd formula is the one the operator
-module attached with `OpDef.autograd`. Registration uses `torch.library.custom_op`, which
-works in eager mode, under ``torch.compile(fullgraph=True)`` (the op is opaque and the fake
-gives shapes, symbolic ones included), with ``torch.export`` and with
-`torch.library.opcheck`.
+module attached with `OpDef.autograd`. The op works in eager mode, under
+``torch.compile(fullgraph=True)`` (the op is opaque and the fake gives shapes, symbolic ones
+included), with ``torch.export`` and with `torch.library.opcheck`.
+
+Registration is the one `torch.library.custom_op` makes (a schema tagged pt2-compliant, a
+``CompositeExplicitAutograd`` kernel, a fake, an ``Autograd`` kernel applying an
+``autograd.Function``, an ``ADInplaceOrView`` kernel that bumps the version of mutated
+inputs), written with the `torch.library.Library` primitives. Why: custom_op's generic
+wrappers (argument re-binding, aliasing checks, a dynamo guard per kernel) cost about as
+much host time as the whole plan lookup and run of a small call; these kernels know their
+operator and skip them. The backward sees ``ctx.needs_input_grad`` over the full prototype
+(tensors, then attributes), defaults included: the dispatcher drops trailing arguments
+equal to their defaults before a kernel sees them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +29,9 @@ from opforge.core.opdef import Attr, AutocastPolicy, OpDef
 from opforge.core.plan import plan, validate
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+# Dispatch keys after which nothing but the device kernel runs (npu is PrivateUse1).
+DEVICE_KEYS = frozenset((torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA,
+                         torch._C.DispatchKey.XPU, torch._C.DispatchKey.PrivateUse1))
 _libraries: dict[str, torch.library.Library] = {}
 
 
@@ -44,13 +57,9 @@ def schema_for(opdef: OpDef) -> str:
     return f"({', '.join(args)}) -> {returns}"
 
 
-def _split(opdef: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]
-           ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _split(opdef: OpDef, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     count = len(opdef.inputs)
-    tensors = args[:count]
-    attrs = dict(zip((a.name for a in opdef.attrs), args[count:]))
-    attrs.update(kwargs)
-    return tensors, attrs
+    return args[:count], dict(zip((a.name for a in opdef.attrs), args[count:]))
 
 
 def _lower_autocast(namespace: str, opdef: OpDef, device_type: str) -> None:
@@ -66,33 +75,107 @@ def _lower_autocast(namespace: str, opdef: OpDef, device_type: str) -> None:
         with torch._C._ExcludeDispatchKeyGuard(keyset):
             return opdef.torch_op(*cast)
 
-    library = _libraries.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-    library.impl(opdef.name, kernel, key, with_keyset=True)
+    _library(namespace).impl(opdef.name, kernel, key, with_keyset=True)
+
+
+def _library(namespace: str) -> torch.library.Library:
+    return _libraries.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+
+
+def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tuple[Any, ...]],
+                     implementation: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``Autograd`` kernel. When an input needs a gradient: an ``autograd.Function``
+    whose forward redispatches below autograd (so that fake and functional tensors reach
+    their own kernels under torch.compile) and whose backward is the OpDef's formula.
+    Otherwise below autograd: straight to ``implementation`` when only a device kernel is
+    left to run (plain tensors, no mode, no version bump), else by redispatch."""
+    after_autograd = torch._C._after_autograd_keyset
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        *inputs, keyset = args
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op.redispatch(keyset, *inputs)
+        if opdef.setup_context_fn is not None:
+            opdef.setup_context_fn(ctx, tuple(inputs), result)
+        return result
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if opdef.backward_fn is None:
+            raise RuntimeError(f"opforge.{opdef.name} has no backward: its inputs cannot "
+                               "receive gradients")
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:-1]  # the keyset is not an input
+        try:
+            result = opdef.backward_fn(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (*result, None) if isinstance(result, tuple) else (result, None)
+
+    function = type(f"{opdef.name}_autograd", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def kernel(keyset: Any, *args: Any) -> Any:
+        below = keyset & after_autograd
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(*full(args), below)
+        if below.highestPriorityTypeId() in DEVICE_KEYS:
+            return implementation(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(below, *args)
+
+    # Dynamo must not trace into opforge's kernels when an eager call reaches them from a
+    # compiled region (after a graph break).
+    return torch.compiler.disable(kernel)
+
+
+def _version_bump_kernel(opdef: OpDef, op: Any) -> Callable[..., Any]:
+    """The ``ADInplaceOrView`` kernel of an operator that mutates inputs: autograd must see
+    their new versions (a tensor saved for backward and then overwritten is an error)."""
+    after_inplace = torch._C._after_ADInplaceOrView_keyset
+
+    def kernel(keyset: Any, *args: Any) -> Any:
+        for index in opdef.mutated_inputs:
+            torch.autograd.graph.increment_version(args[index])
+        return op.redispatch(keyset & after_inplace, *args)
+
+    return kernel
 
 
 def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     """Register ``opdef`` as ``torch.ops.<namespace>.<name>`` (and in the opforge registry
-    when ``namespace`` is ``"opforge"``). Returns the op (an `OpOverloadPacket`-like
-    callable) and stores it as ``opdef.torch_op``."""
+    when ``namespace`` is ``"opforge"``). Returns the op (an `OpOverload`) and stores it as
+    ``opdef.torch_op``."""
     qualname = f"{namespace}::{opdef.name}"
+    library = _library(namespace)
+    library.define(opdef.name + schema_for(opdef), tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(getattr(torch.ops, namespace), opdef.name).default
+    defaults = tuple(attr.default for attr in opdef.attrs)
+    arity = len(opdef.inputs) + len(defaults)
 
-    def implementation(*args: Any, **kwargs: Any) -> Any:
-        tensors, attrs = _split(opdef, args, kwargs)
+    def full(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return args if len(args) == arity else (*args, *defaults[len(args) - arity:])
+
+    def implementation(*args: Any) -> Any:
+        tensors, attrs = _split(opdef, full(args))
         return plan(opdef, *tensors, **attrs).run(*tensors)
 
-    def fake(*args: Any, **kwargs: Any) -> Any:
-        tensors, attrs = _split(opdef, args, kwargs)
+    def fake(*args: Any) -> Any:
+        tensors, attrs = _split(opdef, full(args))
         signature = validate(opdef, tensors, attrs)
         outs = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in signature.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    mutated = tuple(opdef.inputs[i].name for i in opdef.mutated_inputs)
-    custom = torch.library.custom_op(qualname, implementation, mutates_args=mutated,
-                                     schema=schema_for(opdef))
-    custom.register_fake(fake)
-    if opdef.backward_fn is not None:
-        custom.register_autograd(opdef.backward_fn, setup_context=opdef.setup_context_fn)
-    opdef.torch_op = getattr(getattr(torch.ops, namespace), opdef.name).default
+    # Dynamo must not trace into the implementation when an eager call reaches it from a
+    # compiled region (after a graph break).
+    library.impl(opdef.name, torch.compiler.disable(implementation),
+                 "CompositeExplicitAutograd")
+    torch.library.register_fake(qualname, fake, lib=library)
+    library.impl(opdef.name, _autograd_kernel(opdef, op, full, implementation), "Autograd",
+                 with_keyset=True)
+    if opdef.mutated_inputs:
+        library.impl(opdef.name, _version_bump_kernel(opdef, op), "ADInplaceOrView",
+                     with_keyset=True)
+    opdef.torch_op = op
     for device_type in AUTOCAST_DEVICES:
         if opdef.autocast is AutocastPolicy.FP32:
             torch.library.register_autocast(qualname, device_type, torch.float32)
@@ -100,4 +183,4 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
             _lower_autocast(namespace, opdef, device_type)
     if namespace == "opforge":
         registry.add(opdef)
-    return opdef.torch_op
+    return op
