@@ -19,7 +19,7 @@ equal to their defaults before a kernel sees them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,10 +91,15 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
     left to run (plain tensors, no mode, no version bump), else by redispatch."""
     after_autograd = torch._C._after_autograd_keyset
 
+    def below_autograd(keyset: Any, args: Sequence[Any]) -> Any:
+        if keyset.highestPriorityTypeId() in DEVICE_KEYS:
+            return implementation(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset, *args)
+
     def forward(ctx: Any, *args: Any) -> Any:
         *inputs, keyset = args
-        with torch._C._AutoDispatchBelowAutograd():
-            result = op.redispatch(keyset, *inputs)
+        result = below_autograd(keyset, inputs)
         if opdef.setup_context_fn is not None:
             opdef.setup_context_fn(ctx, tuple(inputs), result)
         return result
@@ -118,10 +123,7 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
         below = keyset & after_autograd
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(*full(args), below)
-        if below.highestPriorityTypeId() in DEVICE_KEYS:
-            return implementation(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(below, *args)
+        return below_autograd(below, args)
 
     # Dynamo must not trace into opforge's kernels when an eager call reaches them from a
     # compiled region (after a graph break).

@@ -219,15 +219,24 @@ class Plan:
         """
         inputs = self._check_inputs(tensors)
         observer = _observer[0]
-        with observer(self) if observer is not None else contextlib.nullcontext():
-            targets, results = self._outputs(out)
-            scratch = self._workspace(workspace)
-            if not self._empty:
-                self._launch(inputs, targets, scratch)
-            for target, result in zip(targets, results):
-                if target is not result:
-                    result.copy_(target)
+        if observer is None:
+            results = self._execute(inputs, out, workspace)
+        else:
+            with observer(self):
+                results = self._execute(inputs, out, workspace)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _execute(self, inputs: Sequence[torch.Tensor | None],
+                 out: torch.Tensor | Sequence[torch.Tensor] | None,
+                 workspace: torch.Tensor | None) -> list[torch.Tensor]:
+        targets, results = self._outputs(out)
+        scratch = self._workspace(workspace)
+        if not self._empty:
+            self._launch(inputs, targets, scratch)
+        for target, result in zip(targets, results):
+            if target is not result:
+                result.copy_(target)
+        return results
 
     def _launch(self, inputs: Sequence[torch.Tensor | None], targets: Sequence[torch.Tensor],
                 scratch: torch.Tensor | None) -> None:
@@ -426,12 +435,18 @@ def plan(op: str | OpDef, *tensors: torch.Tensor | None, **attrs: Any) -> Plan:
         OpError and its subclasses for any invalid input (see `opforge.core.errors`).
     """
     opdef = registry.get_op(op) if isinstance(op, str) else op
-    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    hardware = profile_for(first.device if first is not None else None)
-    key = (opdef, backends.requested_backend(), hardware.name,
-           tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t
-                 for t in tensors),
-           tuple(sorted((k, _freeze(v)) for k, v in attrs.items())))
+    device = None
+    described = []
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            if device is None:
+                device = tensor.device
+            described.append((tensor.shape, tensor.dtype, tensor.device))
+        else:
+            described.append(tensor)
+    hardware = profile_for(device)
+    key = (opdef, backends.requested_backend(), hardware.name, tuple(described),
+           tuple(sorted((k, _freeze(v)) for k, v in attrs.items())) if attrs else ())
     if _caches.enabled:
         try:
             with _caches.lock:

@@ -593,7 +593,7 @@ def _as_rows(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """``tensor`` as ``(rows, cols)`` with ``dim`` last: a view when the layout allows."""
     if tensor.ndim == 0:
         return tensor.reshape(1, 1)
-    moved = tensor.movedim(dim, -1)
+    moved = tensor if dim == tensor.ndim - 1 else tensor.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1])
 
 
@@ -608,7 +608,6 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor], out: torch.Tensor,
     direct = out.ndim <= 1 or (dim == out.ndim - 1 and out.is_contiguous())
     moved = out if direct else torch.empty(out.movedim(dim, -1).shape, dtype=out.dtype,
                                            device=out.device)
-    flat = moved.view(rows, cols)
     strides = [s for m in matrices for s in m.stride()]
     reach = max((rows - 1) * abs(m.stride(0)) + (cols - 1) * abs(m.stride(1)) + 1
                 for m in matrices)
@@ -616,7 +615,7 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor], out: torch.Tensor,
     tiling, grid = plan.tiling, plan.grid
     if tiling.variant == "rows":
         kernel = _softmax_backward_rows_kernel if backward else _softmax_rows_kernel
-        kernel[grid](*matrices, flat, rows, cols, *strides, LOG=log, WIDE=wide,
+        kernel[grid](*matrices, moved, rows, cols, *strides, LOG=log, WIDE=wide,
                      **tiling.blocks, **launch_options(tiling))
     else:
         splits = grid[1]
@@ -628,12 +627,12 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor], out: torch.Tensor,
                 *matrices, partials, rows, cols, *strides, blocks_per_split, LOG=log,
                 **common)
             _softmax_backward_chunk_write_kernel[grid](
-                *matrices, flat, partials, rows, cols, *strides, blocks_per_split, LOG=log,
+                *matrices, moved, partials, rows, cols, *strides, blocks_per_split, LOG=log,
                 SPLITS_BLOCK=next_power_of_2(splits), **common)
         else:
             _softmax_chunk_stats_kernel[grid](*matrices, partials, rows, cols, *strides,
                                               blocks_per_split, **common)
-            _softmax_chunk_write_kernel[grid](*matrices, flat, partials, rows, cols, *strides,
+            _softmax_chunk_write_kernel[grid](*matrices, moved, partials, rows, cols, *strides,
                                               blocks_per_split, LOG=log,
                                               SPLITS_BLOCK=next_power_of_2(splits), **common)
     if not direct:
