@@ -30,6 +30,20 @@ def test_shapes_follow_torch_matmul(a_shape, b_shape, backend):
     assert_golden(MATMUL, Case("shape", (a, b)), out)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "column_step", "batched_transposed"])
+def test_strided_operands(layout, backend):
+    """Operands are read through their strides, not assumed contiguous: 2-D operands go
+    to the kernel as they are (batch stride 0), batched ones as broadcast views."""
+    if layout == "transposed":
+        a, b = _x(37, 19).mT, _x(23, 37, seed=1).mT
+    elif layout == "column_step":
+        a, b = _x(19, 74)[:, ::2], _x(37, 46, seed=1)[:, 1::2]
+    else:
+        a, b = _x(3, 37, 19).mT, _x(23, 37, seed=1).mT
+    assert not (a.is_contiguous() or b.is_contiguous())
+    assert_golden(MATMUL, Case(layout, (a, b)), opforge.matmul(a, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_long_k_accumulates_in_float32(dtype, backend):
     """K = 8192 products summed in the operands' 16-bit dtype would drift by sqrt(K) eps16

@@ -133,8 +133,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("_empty", "attrs", "backend", "cost", "grid", "hardware", "inputs", "op",
-                 "outputs", "tiling", "workspace_bytes")
+    __slots__ = ("_empty", "_steps", "attrs", "backend", "cost", "grid", "hardware", "inputs",
+                 "op", "outputs", "tiling", "workspace_bytes")
 
     def __init__(self, op: OpDef, signature: Signature, backend: str,
                  hardware: HardwareProfile, tiling: Tiling | None, grid: tuple[int, ...],
@@ -150,6 +150,7 @@ class Plan:
         self.workspace_bytes = workspace_bytes
         self.cost = cost
         self._empty = not any(spec.numel for spec in self.outputs)
+        self._steps: dict[str, Plan] = {}  # a composite operator's steps, see run_step
 
     def __repr__(self) -> str:
         ins = ", ".join("None" if s is None else str(s) for s in self.inputs)
@@ -157,6 +158,19 @@ class Plan:
         variant = self.tiling.variant if self.tiling else "-"
         return (f"Plan({self.op.name}({ins}) -> [{outs}], backend={self.backend}, "
                 f"tiling={variant}, grid={self.grid}, workspace={self.workspace_bytes} B)")
+
+    def run_step(self, name: str, op: str | OpDef, *tensors: torch.Tensor | None,
+                 out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                 **attrs: Any) -> Any:
+        """Run step ``name`` of a composite operator: another operator that this plan's
+        launcher applies to ``tensors`` (its inputs or intermediates), into ``out`` when
+        given. The step is planned on its first run and kept with this plan: its
+        signature follows from this plan's, so later runs skip the plan-cache lookup and
+        the input checks (a decode call is bound by such host costs)."""
+        found = self._steps.get(name)
+        if found is None:
+            found = self._steps[name] = plan(op, *tensors, **attrs)
+        return found._observed(tensors, out, None)
 
     def _check_inputs(self, tensors: Sequence[Any]) -> list[torch.Tensor | None]:
         if len(tensors) > len(self.inputs):
@@ -217,7 +231,11 @@ class Plan:
             ShapeError, DtypeError, DeviceError: a tensor does not match the plan.
             OpError: wrong number of inputs or outputs, or a workspace that is too small.
         """
-        inputs = self._check_inputs(tensors)
+        return self._observed(self._check_inputs(tensors), out, workspace)
+
+    def _observed(self, inputs: Sequence[torch.Tensor | None],
+                  out: torch.Tensor | Sequence[torch.Tensor] | None,
+                  workspace: torch.Tensor | None) -> Any:
         observer = _observer[0]
         if observer is None:
             results = self._execute(inputs, out, workspace)

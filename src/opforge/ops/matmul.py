@@ -290,26 +290,35 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """One program per output tile (persistently), ``program_id(1)`` the batch index;
     batches past the grid limit are launched in chunks."""
-    a, b = _batched(inputs[0], inputs[1])
-    count, m, k = a.shape
-    n = b.shape[-1]
-    out = outputs[0].view(count, m, n)
+    out = outputs[0]
+    if inputs[0].ndim == 2 and inputs[1].ndim == 2:
+        # No batch: the operands as they are, with a batch stride of 0 (no views to build:
+        # host time per call).
+        a, b = inputs[0], inputs[1]
+        count, (m, k), n = 1, a.shape, b.shape[1]
+        strides = (0, *a.stride(), 0, *b.stride())
+    else:
+        a, b = _batched(inputs[0], inputs[1])
+        count, m, k = a.shape
+        n = b.shape[-1]
+        out = out.view(count, m, n)
+        strides = (*a.stride(), *b.stride())
     if k == 0:
         out.zero_()
         return
     reach = max(1 + sum((size - 1) * abs(stride)
                         for size, stride in zip(t.shape, t.stride())) for t in (a, b, out))
-    wide = reach > INT32_LIMIT
-    upcast = backends.interpreter_enabled()
-    precision = "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32 else "ieee"
-    tiling = plan.tiling
+    options = {"UPCAST": backends.interpreter_enabled(),
+               "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
+               else "ieee", "WIDE": reach > INT32_LIMIT, "GROUP": GROUP_M,
+               **plan.tiling.blocks, **launch_options(plan.tiling)}
+    if count <= MAX_PROGRAMS:
+        _matmul_kernel[(plan.grid[0], count)](a, b, out, m, n, k, *strides, **options)
+        return
     for start in range(0, count, MAX_PROGRAMS):
         chunk = slice(start, min(count, start + MAX_PROGRAMS))
-        sub_a, sub_b, sub_out = a[chunk], b[chunk], out[chunk]
-        grid = (plan.grid[0], sub_a.shape[0])
-        _matmul_kernel[grid](sub_a, sub_b, sub_out, m, n, k, *sub_a.stride(), *sub_b.stride(),
-                             UPCAST=upcast, PRECISION=precision, WIDE=wide, GROUP=GROUP_M,
-                             **tiling.blocks, **launch_options(tiling))
+        _matmul_kernel[(plan.grid[0], chunk.stop - start)](a[chunk], b[chunk], out[chunk], m, n,
+                                                           k, *strides, **options)
 
 
 # ---------------------------------------------------------------------------------------------

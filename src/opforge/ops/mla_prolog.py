@@ -57,7 +57,6 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
-from opforge.core.plan import plan as plan_call
 from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
 from opforge.library import register_op
@@ -587,16 +586,12 @@ def launch_torch(plan: object, inputs: Sequence[torch.Tensor | None],
     _write_rows(inputs[11], kr, inputs[9], plan.attrs["cache_mode"], col0)
 
 
-def _run(op: str, *tensors: torch.Tensor, **attrs: object) -> object:
-    return plan_call(op, *tensors, **attrs).run(*tensors)
-
-
 @MLA_PROLOG.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """The query path through opforge's matmul, rms_norm and rope (their plans run
-    directly: this launcher is already below the dispatcher, so going through ``torch.ops``
-    again would only add its host cost to each of them); the KV path in the fused
+    directly, kept with this plan as its steps: this launcher is already below the
+    dispatcher, and a decode call is bound by host time); the KV path in the fused
     kernel."""
     (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
      kv_cache, kr_cache) = inputs
@@ -605,14 +600,15 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     dr = sin.shape[-1]
     x = token_x.reshape(-1, token_x.shape[-1])
     t = x.shape[0]
-    cq, _ = _run("rms_norm", _run("matmul", x, w_dq), gamma_cq,
-                 eps=plan.attrs["rmsnorm_epsilon_cq"])
-    qq = _run("matmul", cq, w_uq_qr).view(t, n, d + dr)
+    cq, _ = plan.run_step("norm_cq", "rms_norm", plan.run_step("down", "matmul", x, w_dq),
+                          gamma_cq, eps=plan.attrs["rmsnorm_epsilon_cq"])
+    qq = plan.run_step("up", "matmul", cq, w_uq_qr).view(t, n, d + dr)
     query = outputs[0].view(t, n, hckv)
-    query.transpose(0, 1).copy_(_run("matmul", qq[..., :d].transpose(0, 1), w_uk))
-    tables = (sin.reshape(t, 1, dr), cos.reshape(t, 1, dr))
-    outputs[1].view(t, n, dr).copy_(_run("rope", qq[..., d:], tables[1], tables[0],
-                                         mode="interleave_half"))
+    query.transpose(0, 1).copy_(plan.run_step("absorb", "matmul",
+                                              qq[..., :d].transpose(0, 1), w_uk))
+    tables = (cos.reshape(t, 1, dr), sin.reshape(t, 1, dr))
+    plan.run_step("rope_q", "rope", qq[..., d:], *tables, out=outputs[1].view(t, n, dr),
+                  mode="interleave_half")
     rows_cos = cos.reshape(t, dr).contiguous()
     rows_sin = sin.reshape(t, dr).contiguous()
     tiling = plan.tiling
