@@ -96,6 +96,18 @@ def test_non_contiguous_inputs(view, backend):
                       opforge.plan(op, *inputs, **attrs).run(*inputs))
 
 
+def test_elementwise_past_eight_uncollapsible_dims(backend):
+    """Ten dims whose strides no two neighbours share (a reversed permutation) cannot be
+    collapsed into the kernel's eight: the operand is copied contiguous first, for the
+    unary operators and their gradients."""
+    x = torch.randn(2 ** 10, generator=_generator(3)).to(DEVICE).view((2,) * 10)
+    x = x.permute(*reversed(range(10)))
+    grad = torch.randn((2,) * 10, generator=_generator(4)).to(DEVICE)
+    for name, inputs in (("gelu", (x,)), ("sigmoid", (x,)), ("gelu_backward", (grad, x))):
+        op = opforge.get_op(name)
+        assert_golden(op, Case("ten_dims", inputs), opforge.plan(op, *inputs).run(*inputs))
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 def test_sigmoid_never_overflows(dtype, backend):
     big = torch.finfo(dtype).max

@@ -243,6 +243,42 @@ if triton is not None:
             tl.store(out_ptr + lin, rounded_for(FN(a, b, scalar), out_ptr), mask=mask)
 
 
+def _broadcast_strides(shape: tuple[int, ...], sizes: tuple[int, ...],
+                       strides: tuple[int, ...]) -> list[int]:
+    """The strides of a tensor expanded to ``shape`` (0 on new and broadcast dims)."""
+    lead = len(shape) - len(sizes)
+    return [0] * lead + [0 if size == 1 and full != 1 else stride
+                         for size, full, stride in zip(sizes, shape[lead:], strides)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(shape: tuple[int, ...], a_layout: tuple[tuple[int, ...], tuple[int, ...]],
+            b_layout: tuple[tuple[int, ...], tuple[int, ...]] | None
+            ) -> tuple[int, list[int], bool] | None:
+    """(NDIM, the size and stride arguments, WIDE) of the kernel for operands of these
+    (sizes, strides) written into a contiguous ``shape``; ``None`` when more than
+    `MAX_DIMS` dims stay after collapsing. Cached: a call's layout repeats from call to
+    call, and working it out is most of the launcher's host time."""
+    operands = [a_layout] + ([b_layout] if b_layout is not None else [])
+    out_strides, step = [], 1
+    for size in reversed(shape):
+        out_strides.insert(0, step)
+        step *= size
+    strides = [_broadcast_strides(shape, *layout) for layout in operands] + [out_strides]
+    sizes, merged = collapse_dims(shape, strides)
+    if len(sizes) > MAX_DIMS:
+        return None
+    ndim = len(sizes)
+    pad = MAX_DIMS - ndim
+    slots = [1] * pad + sizes
+    a_strides = [0] * pad + merged[0]
+    b_strides = [0] * pad + merged[1] if b_layout is not None else [0] * MAX_DIMS
+    # The leading real dim's stride goes in slot 0; trailing dims stay right-aligned.
+    arguments = [*slots[1:], a_strides[pad], *a_strides[1:], b_strides[pad], *b_strides[1:]]
+    reach = max(step, *(sum((s - 1) * abs(st) for s, st in zip(sizes, m)) + 1 for m in merged))
+    return ndim, arguments, reach > INT32_LIMIT
+
+
 def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,
                        b: torch.Tensor | None, scalar: float, tiling: Tiling,
                        grid: tuple[int, ...]) -> None:
@@ -250,26 +286,14 @@ def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,
     function of float32 blocks) into the contiguous ``out``. Inputs are read through their
     strides, with stride 0 on broadcast dims."""
     shape = tuple(out.shape)
-    operands = [a.expand(shape)] + ([b.expand(shape)] if b is not None else [])
-    strides = [list(t.stride()) for t in operands] + [list(out.stride())]
-    sizes, merged = collapse_dims(shape, strides)
-    if len(sizes) > MAX_DIMS:  # only reachable past 8 dims of mutually strided operands
-        operands = [t.contiguous() for t in operands]
-        sizes, merged = collapse_dims(shape, [list(t.stride()) for t in operands]
-                                      + [list(out.stride())])
-    ndim = len(sizes)
-    pad = MAX_DIMS - ndim
-    slots = [1] * pad + sizes
-    a_strides = [0] * pad + merged[0]
-    b_strides = [0] * pad + merged[1] if b is not None else [0] * MAX_DIMS
-    # The leading real dim's stride goes in slot 0; trailing dims stay right-aligned.
-    a_args = [a_strides[pad], *a_strides[1:]]
-    b_args = [b_strides[pad], *b_strides[1:]]
-    n = out.numel()
-    reach = max(n, *(sum((s - 1) * abs(st) for s, st in zip(sizes, m)) + 1 for m in merged))
+    b_layout = (tuple(b.shape), b.stride()) if b is not None else None
+    layout = _layout(shape, (tuple(a.shape), a.stride()), b_layout)
+    if layout is None:  # only reachable past 8 dims of mutually strided operands
+        a = a.expand(shape).contiguous()
+        b = b.expand(shape).contiguous() if b is not None else None
+        layout = _layout(shape, (shape, a.stride()),
+                         (shape, b.stride()) if b is not None else None)
+    ndim, arguments, wide = layout
     _elementwise_kernel[grid](
-        out, operands[0], operands[-1] if b is not None else operands[0], n, scalar,
-        *slots[1:], *a_args, *b_args,
-        NDIM=ndim, HAS_B=b is not None, WIDE=reach > INT32_LIMIT, FN=fn,
-        BLOCK=tiling.blocks["BLOCK"],
-    )
+        out, a, b if b is not None else a, out.numel(), scalar, *arguments,
+        NDIM=ndim, HAS_B=b is not None, WIDE=wide, FN=fn, BLOCK=tiling.blocks["BLOCK"])
