@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from opforge.core.hardware import HardwareProfile
 
 # Ascend binds programs to physical cores and rejects grids above UINT16_MAX; GPUs accept
@@ -10,6 +12,8 @@ MAX_PROGRAMS = 65535
 # Programs per core in a persistent grid: enough to hide latency on GPUs (several resident
 # programs per SM), harmless on Ascend (programs beyond the core count run in rounds).
 PROGRAMS_PER_CORE = 8
+# Largest element offset that int32 index arithmetic in a kernel holds.
+INT32_LIMIT = 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -44,3 +48,19 @@ def launch_options(tiling: object) -> dict[str, int]:
     options = getattr(tiling, "options", {})
     chosen = {"num_warps": options.get("warps"), "num_stages": options.get("stages")}
     return {key: value for key, value in chosen.items() if value is not None}
+
+
+def wide_offsets(*tensors: Any) -> bool:
+    """Whether a kernel addressing these tensors through their strides computes an element
+    offset past int32 (its ``WIDE`` switch to int64 offsets): 1 + sum of (size - 1) *
+    |stride| over the dims of some tensor exceeds `INT32_LIMIT`. A contiguous tensor's
+    reach is its element count (the common case, without a loop over dims)."""
+    for tensor in tensors:
+        if tensor.is_contiguous():
+            reach = tensor.numel()
+        else:
+            reach = 1 + sum((size - 1) * abs(stride)
+                            for size, stride in zip(tensor.shape, tensor.stride()))
+        if reach > INT32_LIMIT:
+            return True
+    return False

@@ -29,7 +29,7 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
-from opforge.core.tiling import cdiv, next_power_of_2, persistent_grid
+from opforge.core.tiling import INT32_LIMIT, cdiv, next_power_of_2, persistent_grid
 
 try:
     import triton
@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised on installs without triton
 
 MAX_DIMS = 8
 BLOCK_SIZES = (4096, 2048, 1024, 512, 256, 128)
-INT32_LIMIT = 2**31 - 1
 
 
 def collapse_dims(shape: Sequence[int], strides: Sequence[Sequence[int]]

@@ -30,6 +30,7 @@ import torch
 from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import Attrs, Cost, Specs, Tiling
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
     cdiv,
@@ -37,7 +38,6 @@ from opforge.core.tiling import (
     launch_options,
     next_power_of_2,
 )
-from opforge.ops._elementwise import INT32_LIMIT
 
 try:
     import triton

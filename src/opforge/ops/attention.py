@@ -64,9 +64,9 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import is_unknown_rank
-from opforge.core.tiling import MAX_PROGRAMS, cdiv, launch_options, next_power_of_2
+from opforge.core.tiling import MAX_PROGRAMS, cdiv, launch_options, next_power_of_2, wide_offsets
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
 from opforge.precision.cases import LONG_ROW, generate
 
@@ -1135,13 +1135,11 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
                     ) -> dict[str, object]:
     """Compile-time arguments of a kernel: the shared ones, and the tiling's ``blocks``
     (with the head dims' blocks)."""
-    reach = max(1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-                for t in inputs)
     dtype = inputs[0].dtype
     chosen = {name: plan.tiling.blocks[name] for name in (*blocks, "BLOCK_D", "BLOCK_DV")}
     return {"CAUSAL": plan.attrs["causal"], "UPCAST": backends.interpreter_enabled(),
             "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "WIDE": reach > INT32_LIMIT, **chosen, **launch_options(plan.tiling)}
+            "WIDE": wide_offsets(*inputs), **chosen, **launch_options(plan.tiling)}
 
 
 def _exact_head(options: dict[str, object], d: int, dv: int) -> bool:

@@ -42,9 +42,16 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import UNKNOWN_RANK, broadcast_shapes, is_unknown_rank
-from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+    wide_offsets,
+)
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops._elementwise import random_input
 from opforge.ops.reduce_sum import sum_to_shape
 from opforge.precision.cases import generate
 
@@ -306,11 +313,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if k == 0:
         out.zero_()
         return
-    reach = max(1 + sum((size - 1) * abs(stride)
-                        for size, stride in zip(t.shape, t.stride())) for t in (a, b, out))
     options = {"UPCAST": backends.interpreter_enabled(),
                "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
-               else "ieee", "WIDE": reach > INT32_LIMIT, "GROUP": GROUP_M,
+               else "ieee", "WIDE": wide_offsets(a, b, out), "GROUP": GROUP_M,
                **plan.tiling.blocks, **launch_options(plan.tiling)}
     if count <= MAX_PROGRAMS:
         _matmul_kernel[(plan.grid[0], count)](a, b, out, m, n, k, *strides, **options)

@@ -35,6 +35,7 @@ from opforge.core.opdef import (
 )
 from opforge.core.shapes import UNKNOWN_RANK, broadcast_dims, is_unknown_rank, normalize_dims
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
     cdiv,
@@ -42,7 +43,7 @@ from opforge.core.tiling import (
     persistent_grid,
 )
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops._elementwise import random_input
 from opforge.precision.cases import generate
 
 try:

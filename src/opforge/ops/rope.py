@@ -48,6 +48,7 @@ from opforge.core.opdef import (
 )
 from opforge.core.shapes import UNKNOWN_RANK, broadcast_shapes, is_unknown_rank
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
     cdiv,
@@ -56,7 +57,7 @@ from opforge.core.tiling import (
     next_power_of_2,
 )
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input
+from opforge.ops._elementwise import random_input
 from opforge.precision.cases import generate
 
 try:

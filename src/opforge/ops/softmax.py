@@ -49,6 +49,7 @@ from opforge.core.opdef import (
 )
 from opforge.core.shapes import UNKNOWN_RANK, is_unknown_rank, normalize_dim
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
     cdiv,
@@ -57,7 +58,7 @@ from opforge.core.tiling import (
     next_power_of_2,
 )
 from opforge.library import register_op
-from opforge.ops._elementwise import INT32_LIMIT, random_input, same_dtype, same_shape_pair
+from opforge.ops._elementwise import random_input, same_dtype, same_shape_pair
 from opforge.ops._liger import liger_peer
 from opforge.ops._rows import OVERFLOWING_ROW_SUM, SHARED_ROW_STATISTIC
 from opforge.precision.cases import generate
