@@ -12,6 +12,8 @@
 #   tests          the attention, MlaProlog, gating and embedding tests (no hypothesis)
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
+#   host_overhead  benchmarks/host_overhead.py --device cuda: host µs per call and layer
+#                  with real launches (~30 s)
 #   profiler_tests tests/test_profiler.py (its model profile runs on the GPU there)
 #   profile        `opforge profile` of examples/tiny_moe_lm/train.py (bf16, width 512)
 #                  into profile_tiny_moe_lm/
@@ -24,8 +26,8 @@
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
-# REPLAY_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT, OPFORGE_BENCH_TIMEOUT,
-# DEMO_TIMEOUT, TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
+# REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
+# OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
 # not fit every step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the
 # study and 91 s for the tests), so choose with STEPS. Everything is written under
 # $OUT/run and packed at the end into $OUT/gpu_results.tar.gz (the device tool returns at
@@ -40,7 +42,8 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
-STEPS=${STEPS:-"gpu_bench attention_precision tests verify replay profiler_tests profile bench demo"}
+DEFAULT_STEPS="gpu_bench attention_precision tests verify replay host_overhead"
+STEPS=${STEPS:-"$DEFAULT_STEPS profiler_tests profile bench demo"}
 
 # wanted NAME: whether STEPS lists NAME.
 wanted() {
@@ -93,6 +96,8 @@ step tests "${TESTS_TIMEOUT:-150}" "$PYTHON" -m pytest -q -x -p no:cacheprovider
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify"
 step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
+step host_overhead "${HOST_TIMEOUT:-60}" "$PYTHON" benchmarks/host_overhead.py --device cuda \
+  --calls 500 --repeats 5 --out "$OUT"
 step profiler_tests "${PROFILER_TESTS_TIMEOUT:-120}" "$PYTHON" -m pytest -q -x \
   -p no:cacheprovider tests/test_profiler.py
 step profile "${PROFILE_TIMEOUT:-120}" "$PYTHON" -m opforge profile \
