@@ -52,22 +52,26 @@ def test_odd_lengths_with_gqa_forward_and_backward(sq, sk, causal, backend):
                   grads)
 
 
+@pytest.mark.parametrize("pack", [1, 2])
 @pytest.mark.parametrize("query_side, key_side", [((32, 16), (16, 32)),
                                                   ((16, 32), (32, 16))])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(70, 150), (150, 70)])
 def test_small_tiles_of_either_shape_match_the_golden(sq, sk, causal, query_side, key_side,
-                                                      monkeypatch):
+                                                      pack, monkeypatch):
     """The GPU tilings hold many blocks of either shape, and the dQ and dK/dV kernels
     hold different blocks: forced here on the Triton kernels, so that several held and
     streamed blocks, the unmasked range before the causal diagonal and the masked blocks
-    across it all run, forward and backward, with GQA."""
+    across it all run, forward and backward, with GQA. ``pack`` 2 holds the two query
+    heads of a key/value head in one forward block (query-major rows: a block's queries
+    are half its rows, and its causal ranges follow them)."""
     from opforge.ops import attention
 
-    def tiles(sq, sk, d, dv, item, hardware, backward):
+    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
         blocks = {"BLOCK_M": query_side[0], "BLOCK_N": query_side[1], "BLOCK_D": 16,
                   "BLOCK_DV": 16, "BLOCK_K": key_side[0], "BLOCK_Q": key_side[1]}
-        return [Tiling("flash", blocks, 0, double_buffered=False)]
+        options = {"pack_gqa": True} if pack > 1 and not backward else {}
+        return [Tiling("flash", blocks, 0, double_buffered=False, options=options)]
 
     monkeypatch.setattr(attention, "_tiles", tiles)
     _assert_both_passes_match_the_golden(_qkv(1, 4, 2, sq, sk, 16, seed=sq + query_side[0]),
@@ -90,20 +94,22 @@ def _assert_both_passes_match_the_golden(qkv: list[torch.Tensor], causal: bool) 
                   grads)
 
 
+@pytest.mark.parametrize("pack", [1, 2])
 @pytest.mark.parametrize("splits", [3, 40])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(1, 150), (70, 150), (150, 70)])
-def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, monkeypatch):
+def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, pack, monkeypatch):
     """The decoding tiling (keys cut into slices, merged by log-sum-exp) forced on the
     Triton kernels: one query and a few over a long cache, slices a query sees partly or
     not at all (causal), queries that see no key (Sq > Sk, causal: out 0, lse -inf), more
     slices asked for than key blocks; the poisoned workspace must be written wherever the
-    merge reads."""
+    merge reads. ``pack`` 2: with the GQA packing of decoding (slices of head groups)."""
     from opforge.ops import attention
 
-    def tiles(sq, sk, d, dv, item, hardware, backward):
+    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
         return [Tiling("flash", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
-                                 "BLOCK_K": 16, "BLOCK_Q": 16}, 0, double_buffered=False)]
+                                 "BLOCK_K": 16, "BLOCK_Q": 16}, 0, double_buffered=False,
+                       options={"pack_gqa": True} if pack > 1 and not backward else {})]
 
     monkeypatch.setattr(attention, "_tiles", tiles)
     monkeypatch.setattr(attention, "_key_splits", lambda *args: splits)
@@ -126,23 +132,32 @@ def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, monkeypatch):
         assert (lse[:, :, :sq - sk] == -math.inf).all() and (out[:, :, :sq - sk] == 0).all()
 
 
-def test_decoding_on_a_gpu_profile_splits_the_keys():
-    """On an H200's 132 cores one query of 32 heads would leave most idle: the tiling cuts
-    the keys into slices (two programs a core, each slice at least 4 key blocks), and sizes
-    the workspace for the slices' float32 partials. A full prefill, a batch that fills
+def test_decoding_on_a_gpu_profile_packs_heads_and_splits_the_keys():
+    """One query of 32 heads over 8 key/value heads: the tiling packs each group of 4 query
+    heads into one block (each key block read once per group), and on an H200's 132
+    cores the 8 groups would leave most idle, so it cuts the keys into slices (two
+    programs a core, each slice at least 4 key blocks) and sizes the workspace for the
+    slices' float32 partials. A full prefill neither packs nor splits; a batch that fills
     the cores and the CPU keep one slice."""
-    def plan(b, sq, sk, hardware):
-        q = torch.empty(b, 32, sq, 128, dtype=torch.bfloat16)
+    def plan(b, sq, sk, hardware, heads=32):
+        q = torch.empty(b, heads, sq, 128, dtype=torch.bfloat16)
         k = torch.empty(b, 8, sk, 128, dtype=torch.bfloat16)
         with opforge.use_hardware(hardware), opforge.use_backend("triton"):
             return opforge.plan("attention", q, k, k)
 
-    decode = plan(1, 1, 32768, "h200")
-    splits = decode.tiling.options["splits"]
-    assert splits == math.ceil(2 * 132 / 32)
-    assert decode.workspace_bytes == 4 * splits * 32 * (128 + 1)
+    for b in (1, 8):
+        decode = plan(b, 1, 32768, "h200")
+        splits = decode.tiling.options["splits"]
+        assert decode.tiling.options["pack_gqa"] and decode.grid[1] == b * 8
+        assert splits == math.ceil(2 * 132 / (b * 8))
+        assert decode.workspace_bytes == 4 * splits * b * 32 * (128 + 1)
+    # Tilings are chosen for power-of-two buckets of the shapes (24 heads -> 32, a group
+    # of 4): the grid packs the real group of 3.
+    assert plan(1, 1, 32768, "h200", heads=24).grid[1] == 8
     assert plan(1, 1, 128, "h200").tiling.options["splits"] == 1  # too few key blocks
-    for b, sq, sk, hardware in ((8, 1, 32768, "h200"), (1, 4096, 4096, "h200"),
+    prefill = plan(1, 4096, 4096, "h200")
+    assert "pack_gqa" not in prefill.tiling.options and prefill.grid[1] == 32
+    for b, sq, sk, hardware in ((32, 1, 32768, "h200"), (1, 4096, 4096, "h200"),
                                 (1, 1, 32768, "cpu")):
         chosen = plan(b, sq, sk, hardware)
         assert chosen.tiling.options["splits"] == 1 and chosen.workspace_bytes == 0
@@ -176,7 +191,7 @@ def test_descriptor_variants_match_the_golden(variant, causal, dtype, d, by_desc
     pointer kernels."""
     from opforge.ops import attention
 
-    def tiles(sq, sk, d, dv, item, hardware, backward):
+    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
         block_d = max(16, 1 << (d - 1).bit_length())
         return [Tiling(variant, {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d,
                                  "BLOCK_DV": block_d, "BLOCK_K": 16, "BLOCK_Q": 32}, 0,
@@ -221,11 +236,19 @@ def test_queries_that_see_no_key_get_zero_and_minus_inf_lse(backend):
 
 
 def test_grouped_query_attention_equals_repeated_heads(backend):
+    """Query head h reads key/value head h // 3. The grouped call packs the 3 heads of a
+    group into one block of the Triton kernel (the repeated one cannot): the same
+    arithmetic per row, but the interpreter's matrix products may sum a longer block in
+    another order, so the two agree to float32 rounding, not bit for bit."""
     q, k, v = _qkv(2, 6, 2, 11, 13, 32)
     grouped = opforge.attention(q, k, v, causal=True)
     repeated = opforge.attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
                                  causal=True)
-    assert torch.equal(grouped, repeated)
+    bound = 4 * torch.finfo(q.dtype).eps * repeated.abs().max()
+    assert (grouped - repeated).abs().max() <= bound
+    wrong_group = opforge.attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1),
+                                    causal=True)
+    assert (grouped - wrong_group).abs().max() > 100 * bound  # the test can tell heads apart
 
 
 def test_lse_is_the_log_sum_exp_of_scaled_scores(backend):

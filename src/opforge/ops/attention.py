@@ -21,10 +21,13 @@ is ever stored. Blocks entirely visible skip the mask; only blocks crossing the 
 diagonal or the sequence end apply it. The tiling's variant ``flash_tma`` reads keys and
 values through on-device tensor descriptors (TMA copies on Hopper and newer; the
 descriptor's bounds replace the masks), ``flash_tma_ws`` also warp-specializes the key
-loop; inputs that descriptors cannot address run the pointer kernel. When the query
-blocks of all heads would leave cores idle (decoding: a few queries over a long KV cache),
-the tiling also cuts the keys into slices, one program each, whose float32 (out, lse) a
-second kernel merges by log-sum-exp (flash-decoding).
+loop; inputs that descriptors cannot address run the pointer kernel. With grouped-query
+attention and few queries (decoding), the queries of the heads that share a key/value head
+fit one block: the tiling packs them (query-major rows), so that each key block is read
+once per group instead of once per head. When the query blocks of all heads would still
+leave cores idle (decoding: a few queries over a long KV cache), the tiling also cuts the
+keys into slices, one program each, whose float32 (out, lse) a second kernel merges by
+log-sum-exp (flash-decoding).
 
 Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
@@ -64,7 +67,14 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import is_unknown_rank
-from opforge.core.tiling import MAX_PROGRAMS, cdiv, launch_options, next_power_of_2, wide_offsets
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+    wide_offsets,
+)
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
@@ -194,14 +204,20 @@ def _fitted(side: tuple[int, int], held_rows: int, streamed_rows: int) -> tuple[
 
 
 def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfile,
-           backward: bool) -> list[Tiling]:
+           backward: bool, group: int = 1) -> list[Tiling]:
     """Each kernel holds rows on chip and streams others past them (it keeps its held block
     in registers and pipelines the streamed one): ``BLOCK_M`` queries held x ``BLOCK_N``
     keys streamed in the forward and for dQ; ``BLOCK_K`` keys held x ``BLOCK_Q`` queries
     streamed for dK and dV. On CUDA, the sweep's best per head-dim bucket
     (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer stages then smaller blocks while the shared
     memory does not fit; on Ascend 64 x 128 (larger blocks suit its cube unit); on the CPU
-    (the interpreter) 64 x 1024. All shrink to the problem, never below 16."""
+    (the interpreter) 64 x 1024. All shrink to the problem, never below 16.
+
+    GQA packing (forward, option ``pack_gqa``): when the queries of all ``group`` heads
+    that share a key/value head fit one query block (decoding), a program holds them
+    together and reads each key block once for the group instead of once per head. (The
+    tiling sees power-of-two buckets of the shapes: the grid and the launcher take the
+    real group size.)"""
     block_d, block_dv = _head_blocks(d, dv)
     widest = max(block_d, block_dv)
     gpu = hardware.device_type == "cuda"
@@ -216,7 +232,10 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
         # blocks.
         query_side = (64, 1024) if hardware.device_type == "cpu" else (64, 128)
         key_side, warps, stage_choices = query_side, None, (1,)
-    sides = [_fitted(query_side, sq, sk)] + ([_fitted(key_side, sk, sq)] if backward else [])
+    pack = group > 1 and sq * group <= query_side[0]
+    sides = [_fitted(query_side, sq * (group if pack else 1), sk)]
+    if backward:
+        sides.append(_fitted(key_side, sk, sq))
     candidates = []
     while True:
         blocks = {"BLOCK_M": sides[0][0], "BLOCK_N": sides[0][1], "BLOCK_D": block_d,
@@ -228,7 +247,8 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
                 "flash", blocks, _shared_bytes(sides, block_d, block_dv, item, stages,
                                                backward),
                 double_buffered=False,
-                options={"warps": warps, "stages": stages if gpu else None}))
+                options={"warps": warps, "stages": stages if gpu else None,
+                         **({"pack_gqa": True} if pack else {})}))
         if all(block == 16 for side in sides for block in side):
             return candidates
         sides = [(max(16, held // 2), max(16, streamed // 2)) for held, streamed in sides]
@@ -253,21 +273,34 @@ def _key_splits(query_blocks: int, heads: int, sk: int, block_n: int,
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    b, h, _, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
-    tilings = _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False)
+    b, h, hkv, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
+    tilings = _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False,
+                     group=h // hkv)
     return [Tiling(t.variant, t.blocks, t.onchip_bytes, t.double_buffered,
-                   {**t.options, "splits": _key_splits(cdiv(sq, t.blocks["BLOCK_M"]), b * h,
-                                                       sk, t.blocks["BLOCK_N"], hardware)})
+                   {**t.options, "splits": _key_splits(*_program_counts(t, b, h, hkv, sq), sk,
+                                                       t.blocks["BLOCK_N"], hardware)})
             for t in tilings]
+
+
+def _pack(tiling: Tiling, h: int, hkv: int) -> int:
+    """Query heads a forward block holds: the whole GQA group when the tiling packs."""
+    return h // hkv if tiling.options.get("pack_gqa") else 1
+
+
+def _program_counts(tiling: Tiling, b: int, h: int, hkv: int, sq: int) -> tuple[int, int]:
+    """(query blocks, head groups) of the forward: with GQA packing a block holds the
+    queries of a group's heads."""
+    pack = _pack(tiling, h, hkv)
+    return cdiv(sq * pack, tiling.blocks["BLOCK_M"]), b * h // pack
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
-    """(query blocks, batch x heads), each capped at the grid limit (programs loop); the
-    launcher adds the key slices as a third dimension."""
-    b, h, _, sq, _, _, _ = _shapes(*inputs[:3], "attention")
-    return (max(1, min(cdiv(sq, tiling.blocks["BLOCK_M"]), MAX_PROGRAMS)),
-            max(1, min(b * h, MAX_PROGRAMS)))
+    """(query blocks, batch x head groups), each capped at the grid limit (programs loop);
+    the launcher adds the key slices as a third dimension."""
+    b, h, hkv, sq, _, _, _ = _shapes(*inputs[:3], "attention")
+    blocks, groups = _program_counts(tiling, b, h, hkv, sq)
+    return max(1, min(blocks, MAX_PROGRAMS)), max(1, min(groups, MAX_PROGRAMS))
 
 
 def _key_slices(tiling: Tiling, sk: int) -> tuple[int, int]:
@@ -694,15 +727,16 @@ if triton is not None:
     POS_INF = tl.constexpr(float("inf"))
 
     @triton.jit
-    def _key_ranges(first_row, Sk, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _key_ranges(first_query, last_query, Sk, offset, CAUSAL: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-        """(end of the key blocks every query of the block sees entirely, end of the keys
-        any of them sees): the first range needs no mask."""
+        """(end of the key blocks every query of a block, queries ``first_query`` to
+        ``last_query``, sees entirely; end of the keys any of them sees): the first range
+        needs no mask."""
         end = Sk
         full_end = (Sk // BLOCK_N) * BLOCK_N
         if CAUSAL:
-            end = tl.maximum(tl.minimum(Sk, first_row + BLOCK_M + offset), 0)
-            diagonal = (tl.maximum(first_row + offset + 1, 0) // BLOCK_N) * BLOCK_N
+            end = tl.maximum(tl.minimum(Sk, last_query + 1 + offset), 0)
+            diagonal = (tl.maximum(first_query + offset + 1, 0) // BLOCK_N) * BLOCK_N
             full_end = tl.minimum(full_end, diagonal)
         return full_end, end
 
@@ -821,66 +855,74 @@ if triton is not None:
             stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D,
             DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-            EXACT_HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """Per block of ``BLOCK_M`` queries of one head and one slice of the keys
-        (``program_id(2)``; one slice holding every key unless the keys are split): out and
-        lse of the slice, into ``out``/``lse`` or, split, into the float32 partials of
-        slice ``program_id(2)`` (laid out ``[slices, heads, Sq, DV]`` and ``[slices, heads,
-        Sq]``)."""
+            EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Per block of ``BLOCK_M`` rows and one slice of the keys (``program_id(2)``; one
+        slice holding every key unless the keys are split): out and lse of the slice, into
+        ``out``/``lse`` or, split, into the float32 partials of slice ``program_id(2)``
+        (laid out ``[slices, heads, Sq, DV]`` and ``[slices, heads, Sq]``). A program's
+        rows are the queries of one head, or with ``PACK`` > 1 (GQA decoding) the queries
+        of ``PACK`` heads that share a key/value head, query-major (row ``r``: query
+        ``r // PACK`` of head ``r % PACK`` of the group): each key block is then read once
+        for all of them."""
         if EXACT_HEAD:
             # The blocks are as wide as the heads: head widths as constants fold the
             # column masks away (fewer registers: the pointer kernels spill less).
             D = BLOCK_D
             DV = BLOCK_DV
-        head = (tl.program_id(1) + head_offset).to(tl.int64)
+        # program_id(1): one head, or one group of PACK heads, of one batch entry.
+        group_index = (tl.program_id(1) + head_offset).to(tl.int64)
+        batch = group_index // (H // PACK)
+        first_head = (group_index % (H // PACK)) * PACK
         split_start = tl.program_id(2) * keys_per_split
         split_end = split_start + keys_per_split
-        batch, h = head // H, head % H
-        q_base = q_ptr + batch * stride_qb + h * stride_qh
-        k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
-        v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        k_base = k_ptr + batch * stride_kb + (first_head // GROUP) * stride_kh
+        v_base = v_ptr + batch * stride_vb + (first_head // GROUP) * stride_vh
         k_desc, v_desc = _row_descriptors(k_base, v_base, Sk, D, DV, stride_kn, stride_vn,
                                           DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
-        slot = tl.program_id(2) * heads + head
-        out_base = out_ptr + slot * Sq * DV
-        lse_base = lse_ptr + slot * Sq
+        # Output rows: head slot (slice, batch, head), then query.
+        slot_base = tl.program_id(2) * heads + batch * H + first_head
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
-        for block in range(tl.program_id(0), tl.cdiv(Sq, BLOCK_M), tl.num_programs(0)):
+        for block in range(tl.program_id(0), tl.cdiv(Sq * PACK, BLOCK_M), tl.num_programs(0)):
             first_row = block * BLOCK_M
             rows = first_row + tl.arange(0, BLOCK_M)
             if WIDE:
                 rows = rows.to(tl.int64)
-            q = dot_operand(q_base + rows[:, None] * stride_qm + dims[None, :] * stride_qd,
-                            (rows < Sq)[:, None] & (dims < D)[None, :], UPCAST)
+            queries = rows // PACK
+            members = rows % PACK
+            row_mask = rows < Sq * PACK
+            q = dot_operand(q_ptr + batch * stride_qb + (first_head + members)[:, None]
+                            * stride_qh + queries[:, None] * stride_qm + dims[None, :]
+                            * stride_qd, row_mask[:, None] & (dims < D)[None, :], UPCAST)
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            full_end, end = _key_ranges(first_row // PACK, (first_row + BLOCK_M - 1) // PACK,
+                                        Sk, offset, CAUSAL, BLOCK_N)
             # The slice's share of each range (slices start on key-block boundaries).
             masked_start = tl.maximum(full_end, split_start)
             full_end = tl.minimum(full_end, split_end)
             end = tl.minimum(end, split_end)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           split_start, full_end, Sk, offset, D, DV, qk_scale,
                                           CAUSAL, False, UPCAST, PRECISION, DESCRIPTORS,
                                           WARP_SPECIALIZE, BLOCK_N, BLOCK_D, BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           masked_start, end, Sk, offset, D, DV, qk_scale,
                                           CAUSAL, True, UPCAST, PRECISION, DESCRIPTORS, False,
                                           BLOCK_N, BLOCK_D, BLOCK_DV)
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
-            row_mask = rows < Sq
-            out_ptrs = out_base + rows[:, None] * DV + value_dims[None, :]
+            out_rows = (slot_base + members) * Sq + queries
+            out_ptrs = out_ptr + out_rows[:, None] * DV + value_dims[None, :]
             out_mask = row_mask[:, None] & (value_dims < DV)[None, :]
             tl.store(out_ptrs, rounded_for(out, out_ptr), mask=out_mask)
-            tl.store(lse_base + rows, rounded_for(lse, lse_ptr), mask=row_mask)
+            tl.store(lse_ptr + out_rows, rounded_for(lse, lse_ptr), mask=row_mask)
 
     @triton.jit
     def _attention_merge_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, R, SPLITS,
@@ -994,7 +1036,8 @@ if triton is not None:
             lse2 = tl.load(lse_ptr + statistics, mask=row_mask, other=0.0)  # float32 statistic
             lse2 = lse2 * LOG2E
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            full_end, end = _key_ranges(first_row, Sk, offset, CAUSAL, BLOCK_M, BLOCK_N)
+            full_end, end = _key_ranges(first_row, first_row + BLOCK_M - 1, Sk, offset, CAUSAL,
+                                        BLOCK_N)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
                                   full_end, Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, False,
@@ -1216,16 +1259,19 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         partials = workspace[:4 * splits * rows * (dv + 1)].view(torch.float32)
         targets = (partials[:splits * rows * dv], partials[splits * rows * dv:])
     qk_scale = _scale_of(plan.attrs, d) * LOG2_E
-    for first, count in _head_chunks(b * h):
+    pack = _pack(plan.tiling, h, hkv)
+    for first, count in _head_chunks(b * h // pack):
         _attention_forward_kernel[(plan.grid[0], count, splits)](
             q, k, v, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split, qk_scale,
             *q.stride(), *k.stride(), *v.stride(), d, dv, DESCRIPTORS=descriptors,
             WARP_SPECIALIZE=warp_specialize,
-            EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, **options)
+            EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack, **options)
     if splits > 1:
+        # Warps for the merge's float32 tiles (4 spill them at Dv = 128 on sm_90).
+        warps = gpu_warps(MERGE_ROWS * options["BLOCK_DV"], plan.hardware)
         _attention_merge_kernel[(max(1, min(cdiv(rows, MERGE_ROWS), MAX_PROGRAMS)),)](
             *targets, out, lse, rows, splits, dv, BLOCK_M=MERGE_ROWS,
-            BLOCK_DV=options["BLOCK_DV"])
+            BLOCK_DV=options["BLOCK_DV"], **({"num_warps": warps} if warps else {}))
 
 
 @ATTENTION_BACKWARD.launcher("triton")
