@@ -23,11 +23,13 @@
 #                  (pointer and tensor-descriptor variants) against SDPA's flash and
 #                  cuDNN backends, head dims TUNING_HEAD_DIMS (default 64,128; not in
 #                  the default STEPS: ask for it)
+#   matmul_tuning  benchmarks/matmul_tuning.py: the matmul configuration sweep against
+#                  cuBLAS on square and MlaProlog shapes (~1-2 min; ask for it)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
-# OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
+# OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
 # not fit every step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the
 # study and 91 s for the tests), so choose with STEPS. Everything is written under
 # $OUT/run and packed at the end into $OUT/gpu_results.tar.gz (the device tool returns at
@@ -110,6 +112,8 @@ step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "
   --quiet
 step attention_tuning "${TUNING_TIMEOUT:-380}" "$PYTHON" benchmarks/attention_tuning.py \
   --head-dims "${TUNING_HEAD_DIMS:-64,128}" \
+  --out "$OUT"
+step matmul_tuning "${MATMUL_TUNING_TIMEOUT:-150}" "$PYTHON" benchmarks/matmul_tuning.py \
   --out "$OUT"
 
 echo "=== summary"

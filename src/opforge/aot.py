@@ -47,14 +47,16 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 @dataclass
 class KernelVariant:
-    """One compiled specialisation of a kernel: its argument types, constexpr values and
-    GPU launch options (``num_warps``)."""
+    """One compiled specialisation of a kernel: its argument types, constexpr values,
+    attributes (16-divisible pointers and integers) and GPU launch options
+    (``num_warps``)."""
 
     kernel: Any
     signature: dict[str, str]
     constexprs: dict[str, Any]
     ops: set[str] = field(default_factory=set)
     options: dict[str, int] = field(default_factory=dict)
+    attrs: dict[tuple[int, ...], list[list[Any]]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -82,8 +84,27 @@ class CompileResult:
     seconds: float
     registers: int | None = None
     stack_bytes: int | None = None
-    shared_bytes: int | None = None
+    shared_bytes: int | None = None  # what a launch asks for (Triton allocates it dynamically)
     error: str = ""
+
+
+def _specialization(value: Any, param: Any) -> tuple[str, list[list[Any]]]:
+    """(type, attributes) of one argument as Triton's JIT specialises it at a launch:
+    integers equal to 1 (and ``None``) become the constexpr ``"constexpr"``, pointers
+    16-byte aligned and integers divisible by 16 get ``tt.divisibility`` 16. Without those
+    the compiler cannot vectorise loads or pipeline them into shared memory, and the
+    registers, spills and shared memory it reports are not those of the launched kernel.
+    Falls back to the bare types where this Triton lacks the native specialiser."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return _arg_type(value), []
+    kind, key = native_specialize_impl(BaseBackend, value, False,
+                                       not getattr(param, "do_not_specialize", False),
+                                       not getattr(param, "do_not_specialize_on_alignment",
+                                                   False))
+    return kind, BaseBackend.parse_attr(key) if isinstance(key, str) else []
 
 
 def _arg_type(value: Any) -> str:
@@ -125,19 +146,21 @@ def recorded_launches(hardware: HardwareProfile) -> Iterator[LaunchRecorder]:
         options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         bound = dict(zip((p.name for p in self.params), args))
         bound.update(kwargs)
-        signature, constexprs = {}, {}
-        for param in self.params:
+        signature, constexprs, attrs = {}, {}, {}
+        for index, param in enumerate(self.params):
             value = bound[param.name]
-            if param.is_constexpr:
-                signature[param.name] = "constexpr"
+            kind, attributes = (("constexpr", []) if param.is_constexpr
+                                else _specialization(value, param))
+            signature[param.name] = kind
+            if kind == "constexpr":
                 constexprs[param.name] = value
-            else:
-                signature[param.name] = _arg_type(value)
+            elif attributes:
+                attrs[(index,)] = attributes
         key = (self, tuple(signature.items()),
                tuple((k, id(v) if callable(v) else v) for k, v in constexprs.items()),
-               tuple(options.items()))
-        variant = recorder.variants.setdefault(key, KernelVariant(self, signature, constexprs,
-                                                                  options=options))
+               tuple(options.items()), tuple(attrs))
+        variant = recorder.variants.setdefault(key, KernelVariant(
+            self, signature, constexprs, options=options, attrs=attrs))
         variant.ops.add(recorder.label)
 
     # The launch path checks that CPU tensors may run Triton kernels; recording needs that
@@ -179,7 +202,7 @@ def _wide_twin(variant: KernelVariant) -> KernelVariant:
     would take gigabytes), so it is compiled from the recorded variant."""
     signature = {k: "i64" if t == "i32" else t for k, t in variant.signature.items()}
     return KernelVariant(variant.kernel, signature, {**variant.constexprs, "WIDE": True},
-                         set(variant.ops), dict(variant.options))
+                         set(variant.ops), dict(variant.options), dict(variant.attrs))
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -225,7 +248,7 @@ def compile_variants(variants: Iterable[KernelVariant], target: Any) -> list[Com
         start = time.perf_counter()
         try:
             source = ASTSource(fn=variant.kernel, signature=variant.signature,
-                               constexprs=variant.constexprs)
+                               constexprs=variant.constexprs, attrs=variant.attrs)
             compiled = triton.compile(source, target=target, options=variant.options)
         except Exception as error:
             message = str(error).strip().splitlines()
@@ -235,5 +258,5 @@ def compile_variants(variants: Iterable[KernelVariant], target: Any) -> list[Com
         usage = _resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else {}
         results.append(CompileResult(variant, True, time.perf_counter() - start,
                                      usage.get("REG"), usage.get("STACK"),
-                                     usage.get("SHARED", compiled.metadata.shared)))
+                                     compiled.metadata.shared))
     return results

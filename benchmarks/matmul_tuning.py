@@ -1,0 +1,173 @@
+"""Matmul block-size sweep on a GPU: which (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the
+tiling of `opforge.ops.matmul` should pick, against cuBLAS on the same shapes.
+
+Shapes: bf16 squares (4096, 8192) and MlaProlog's DeepSeek-V3 products (the query
+down-projection at T = 16 and 1024 tokens, the up-projection, the per-head absorption of
+``W_uk`` as a batched product). Each configuration is forced as the only tiling (plan
+caches cleared), timed with `opforge.profiler.bench.time_call` (do_bench's median on a
+GPU) and checked against the default tiling's result (relative max difference), so that
+a fast wrong kernel shows; one that fails to compile (shared memory) is reported and
+skipped.
+
+Usage (GPU machine)::
+
+    PYTHONPATH=src:benchmarks python benchmarks/matmul_tuning.py --out DIR
+
+``--compile-only cuda:90`` (no GPU, no ``TRITON_INTERPRET``) compiles every configuration
+for the target and reports registers and spill bytes instead; ``--device cpu`` with
+``TRITON_INTERPRET=1`` and ``--scale 64`` is a smoke run of the script (shapes divided by
+the scale, timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+import opforge
+from attention_tuning import relative_difference
+from opforge import aot
+from opforge.core.opdef import Tiling
+from opforge.ops.matmul import MATMUL
+from opforge.profiler.bench import time_call
+from opforge.profiler.results import environment, write_results
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the default of 2026-11-30 first (its warps
+# from the generic rule, 16 for a 128 x 128 tile), then the usual Hopper shapes (two
+# warpgroups on 128 x 256), fewer warps, shorter K blocks, narrow tiles for skinny M.
+CONFIGS = ((128, 128, 64, 16, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+           (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4),
+           (128, 128, 32, 4, 4), (64, 256, 32, 4, 4), (64, 128, 64, 4, 4),
+           (16, 128, 128, 4, 4), (16, 256, 64, 4, 4))
+# (label, a shape, b shape).
+SHAPES = (("square 4096", (4096, 4096), (4096, 4096)),
+          ("square 8192", (8192, 8192), (8192, 8192)),
+          ("MLA down T1024", (1024, 7168), (7168, 1536)),
+          ("MLA up T1024", (1024, 1536), (1536, 24576)),
+          ("MLA absorb T1024", (128, 1024, 128), (128, 128, 512)),
+          ("MLA down T16", (16, 7168), (7168, 1536)),
+          ("MLA up T16", (16, 1536), (1536, 24576)))
+
+
+def forced(config: Sequence[int]) -> Tiling:
+    """The tiling of one sweep configuration."""
+    block_m, block_n, block_k, warps, stages = config
+    return Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, 0,
+                  double_buffered=False, options={"warps": warps, "stages": stages})
+
+
+def label(config: Sequence[int]) -> str:
+    """``M128 N256 K64 w8 s3``."""
+    block_m, block_n, block_k, warps, stages = config
+    return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}"
+
+
+def flops(a_shape: Sequence[int], b_shape: Sequence[int]) -> float:
+    """2 M N K per batch entry."""
+    batch = a_shape[0] if len(a_shape) == 3 else 1
+    return 2.0 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+def compile_rows(target_text: str) -> list[dict[str, object]]:
+    """Every configuration compiled for a GPU target without the GPU: registers and spills
+    of the bf16 kernel (the 2-D and the batched launch share it)."""
+    target, hardware = aot.parse_target(target_text)
+    a = torch.randn(256, 256, dtype=torch.bfloat16)
+    rows = []
+    for config in CONFIGS:
+        with mock.patch.object(MATMUL, "tiling", lambda *args, config=config: [forced(config)]
+                               ), aot.recorded_launches(hardware) as recorder:
+            opforge.matmul(a, a)
+        for result in aot.compile_variants(recorder.variants.values(), target):
+            rows.append({"config": label(config), "registers": result.registers,
+                         "spill_bytes": result.stack_bytes, "shared_bytes": result.shared_bytes,
+                         "error": "" if result.ok else result.error[:200]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def timed_rows(device: torch.device, scale: int) -> list[dict[str, object]]:
+    """cuBLAS, then every configuration, per shape."""
+    rows = []
+    for name, a_shape, b_shape in SHAPES:
+        a_shape = tuple(max(1, size // scale) for size in a_shape)
+        b_shape = (*a_shape[:-2], a_shape[-1], max(1, b_shape[-1] // scale))
+        a = torch.randn(a_shape, device=device, dtype=torch.bfloat16)
+        b = torch.randn(b_shape, device=device, dtype=torch.bfloat16)
+        work = flops(a_shape, b_shape)
+        opforge.clear_caches()
+        expected = opforge.matmul(a, b)
+        cublas_us = time_call(functools.partial(torch.matmul, a, b), device) * 1e6
+        shape = f"{name} ({'x'.join(map(str, a_shape))} @ {'x'.join(map(str, b_shape))})"
+        rows.append({"shape": shape, "config": "torch.matmul (cuBLAS)",
+                     "us": round(cublas_us, 1), "tflops": round(work / cublas_us / 1e6, 1),
+                     "of_cublas": 1.0})
+        for config in CONFIGS:
+            opforge.clear_caches()
+            try:
+                with mock.patch.object(MATMUL, "tiling",
+                                       lambda *args, config=config: [forced(config)]):
+                    call = functools.partial(opforge.matmul, a, b)
+                    us = time_call(call, device) * 1e6
+                    diff = relative_difference((call(),), (expected,))
+                row = {"shape": shape, "config": label(config), "us": round(us, 1),
+                       "tflops": round(work / us / 1e6, 1),
+                       "of_cublas": round(cublas_us / us, 3), "diff": diff}
+            except Exception as error:  # too much shared memory, say: reported
+                row = {"shape": shape, "config": label(config), "us": None, "tflops": None,
+                       "error": f"{type(error).__name__}: {error}"[:200]}
+            print(row, flush=True)
+            rows.append(row)
+    opforge.clear_caches()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get(
+        "OUT", "benchmarks/results")))
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run on the interpreter")
+    parser.add_argument("--scale", type=int, default=1, help="divide every size by this")
+    parser.add_argument("--compile-only", metavar="TARGET",
+                        help="compile every configuration for TARGET (cuda:90) without a GPU "
+                             "and report registers and spills instead of timing")
+    args = parser.parse_args(argv)
+    if args.compile_only:
+        rows = compile_rows(args.compile_only)
+        env = environment(torch.device("cpu"))
+        lines = [f"# Matmul configurations compiled for {args.compile_only}", "",
+                 f"{env['date']} · no GPU · torch {env['torch']} · triton {env['triton']} · "
+                 "bf16", "", "| config | registers | spill bytes | shared bytes |",
+                 "|---|---:|---:|---:|"]
+        lines += [f"| {r['config']} | {r['registers']} | "
+                  f"{r['spill_bytes'] if not r['error'] else r['error']} | {r['shared_bytes']} |"
+                  for r in rows]
+        write_results(args.out, "matmul_compile", rows, "\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
+    device = torch.device(args.device)
+    rows = timed_rows(device, args.scale)
+    env = environment(device)
+    lines = ["# Matmul block-size sweep", "", f"{env['date']} · {env['device']} · torch "
+             f"{env['torch']} · triton {env['triton']} · bf16", "",
+             "| shape | config | µs | TFLOP/s | of cuBLAS | max diff / max vs default |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['shape']} | {r['config']} | {r['us']} | "
+              f"{r['tflops'] if r.get('tflops') else r.get('error', '')} | "
+              f"{r.get('of_cublas') or ''} | "
+              f"{format(r['diff'], '.2g') if 'diff' in r else ''} |" for r in rows]
+    flat = [{**env, "error": "", "diff": None, "of_cublas": None, **r} for r in rows]
+    write_results(args.out, "matmul_tuning", flat, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
