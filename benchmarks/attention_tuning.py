@@ -145,12 +145,59 @@ def compile_rows(target_text: str, head_dims: Sequence[int]) -> list[dict[str, o
                         opforge.attention_backward(q, q, q, q, q, lse)
                 for result in aot.compile_variants(recorder.variants.values(), target):
                     row = {"head_dim": d, "pass": kind, "config": label(config),
-                           "kernel": result.variant.name, "registers": result.registers,
-                           "spill_bytes": result.stack_bytes,
-                           "error": "" if result.ok else result.error[:200]}
+                           "kernel": result.variant.name, **compiled_columns(result)}
                     print(row, flush=True)
                     rows.append(row)
     return rows
+
+
+def compiled_columns(result: aot.CompileResult) -> dict[str, object]:
+    """What a compile report shows of one compiled kernel."""
+    return {"registers": result.registers, "spill_bytes": result.stack_bytes,
+            "shared_bytes": result.shared_bytes,
+            "error": "" if result.ok else result.error[:200]}
+
+
+def write_compile_report(out: Path, prefix: str, title: str, keys: dict[str, str],
+                         rows: Sequence[dict[str, object]]) -> None:
+    """CSV and Markdown of compiled configurations: the ``keys`` columns (header: row
+    key), then registers, spill bytes (or the compile error) and shared memory."""
+    env = environment(torch.device("cpu"))
+    lines = [f"# {title}", "",
+             f"{env['date']} · no GPU · torch {env['torch']} · triton {env['triton']}", "",
+             "| " + " | ".join(keys) + " | registers | spill bytes | shared bytes |",
+             "|" + "---|" * len(keys) + "---:|---:|---:|"]
+    lines += ["| " + " | ".join(str(r[key]) for key in keys.values())
+              + f" | {r['registers']} | {r['error'] or r['spill_bytes']} | {r['shared_bytes']} |"
+              for r in rows]
+    write_results(out, prefix, rows, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def write_sweep_report(out: Path, prefix: str, title: str, setting: str,
+                       device: torch.device, keys: dict[str, str],
+                       rows: Sequence[dict[str, object]],
+                       extra: dict[str, str] | None = None) -> None:
+    """CSV and Markdown of timed configurations: the ``keys`` columns (header: row key),
+    µs, TFLOP/s (or the error), the ``extra`` columns, and the difference from the
+    default tiling's result."""
+    extra = extra or {}
+    env = environment(device)
+    lines = [f"# {title}", "", f"{env['date']} · {env['device']} · torch {env['torch']} · "
+             f"triton {env['triton']} · {setting}", "",
+             "| " + " | ".join([*keys, "µs", "TFLOP/s", *extra,
+                                "max diff / max vs default tiling"]) + " |",
+             "|" + "---|" * len(keys) + "---:|" * (3 + len(extra))]
+    lines += ["| " + " | ".join([*(str(r[key]) for key in keys.values()), str(r["us"]),
+                                 str(r.get("error", "") if r.get("tflops") is None
+                                     else r["tflops"]),
+                                 *(str(r.get(key) or "") for key in extra.values()),
+                                 format(r["diff"], ".2g") if "diff" in r else ""]) + " |"
+              for r in rows]
+    flat = [{**env, "error": "", "diff": None, **dict.fromkeys(extra.values()), **r}
+            for r in rows]
+    write_results(out, prefix, flat, "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,16 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compile_only:
         rows = compile_rows(args.compile_only, head_dims)
         attention._tiles = original
-        env = environment(torch.device("cpu"))
-        lines = [f"# Attention configurations compiled for {args.compile_only}", "",
-                 f"{env['date']} · no GPU · torch {env['torch']} · triton {env['triton']}",
-                 "", "| D | pass | config | kernel | registers | spill bytes |",
-                 "|---|---|---|---|---:|---:|"]
-        lines += [f"| {r['head_dim']} | {r['pass']} | {r['config']} | {r['kernel']} | "
-                  f"{r['registers']} | {r['spill_bytes'] if not r['error'] else r['error']} |"
-                  for r in rows]
-        write_results(args.out, "attention_compile", rows, "\n".join(lines) + "\n")
-        print("\n".join(lines))
+        write_compile_report(args.out, "attention_compile",
+                             f"Attention configurations compiled for {args.compile_only}",
+                             {"D": "head_dim", "pass": "pass", "config": "config",
+                              "kernel": "kernel"}, rows)
         return 0
     device = torch.device(args.device)
     rows = []
@@ -217,17 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(row, flush=True)
                 rows.append(row)
         attention._tiles = original
-    env = environment(device)
-    lines = ["# Attention block-size sweep", "", f"{env['date']} · {env['device']} · torch "
-             f"{env['torch']} · triton {env['triton']} · bf16 B={b} H={h} S={s}", "",
-             "| D | pass | config | µs | TFLOP/s | max diff / max vs default tiling |",
-             "|---|---|---|---:|---:|---:|"]
-    lines += [f"| {r['head_dim']} | {r['pass']} | {r['config']} | {r['us']} | "
-              f"{r['tflops'] if r.get('tflops') else r.get('error', '')} | "
-              f"{format(r['diff'], '.2g') if 'diff' in r else ''} |" for r in rows]
-    flat = [{**env, "error": "", "diff": None, **r} for r in rows]
-    write_results(args.out, "attention_tuning", flat, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_sweep_report(args.out, "attention_tuning", "Attention block-size sweep",
+                       f"bf16 B={b} H={h} S={s}", device,
+                       {"D": "head_dim", "pass": "pass", "config": "config"}, rows)
     return 0
 
 

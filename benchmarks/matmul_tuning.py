@@ -32,12 +32,16 @@ from unittest import mock
 import torch
 
 import opforge
-from attention_tuning import relative_difference
+from attention_tuning import (
+    compiled_columns,
+    relative_difference,
+    write_compile_report,
+    write_sweep_report,
+)
 from opforge import aot
 from opforge.core.opdef import Tiling
 from opforge.ops.matmul import MATMUL
 from opforge.profiler.bench import time_call
-from opforge.profiler.results import environment, write_results
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the default of 2026-11-30 first (its warps
 # from the generic rule, 16 for a 128 x 128 tile), then the usual Hopper shapes (two
@@ -86,9 +90,7 @@ def compile_rows(target_text: str) -> list[dict[str, object]]:
                                ), aot.recorded_launches(hardware) as recorder:
             opforge.matmul(a, a)
         for result in aot.compile_variants(recorder.variants.values(), target):
-            rows.append({"config": label(config), "registers": result.registers,
-                         "spill_bytes": result.stack_bytes, "shared_bytes": result.shared_bytes,
-                         "error": "" if result.ok else result.error[:200]})
+            rows.append({"config": label(config), **compiled_columns(result)})
             print(rows[-1], flush=True)
     return rows
 
@@ -140,32 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "and report registers and spills instead of timing")
     args = parser.parse_args(argv)
     if args.compile_only:
-        rows = compile_rows(args.compile_only)
-        env = environment(torch.device("cpu"))
-        lines = [f"# Matmul configurations compiled for {args.compile_only}", "",
-                 f"{env['date']} · no GPU · torch {env['torch']} · triton {env['triton']} · "
-                 "bf16", "", "| config | registers | spill bytes | shared bytes |",
-                 "|---|---:|---:|---:|"]
-        lines += [f"| {r['config']} | {r['registers']} | "
-                  f"{r['spill_bytes'] if not r['error'] else r['error']} | {r['shared_bytes']} |"
-                  for r in rows]
-        write_results(args.out, "matmul_compile", rows, "\n".join(lines) + "\n")
-        print("\n".join(lines))
+        write_compile_report(args.out, "matmul_compile",
+                             f"Matmul configurations compiled for {args.compile_only} (bf16)",
+                             {"config": "config"}, compile_rows(args.compile_only))
         return 0
     device = torch.device(args.device)
     rows = timed_rows(device, args.scale)
-    env = environment(device)
-    lines = ["# Matmul block-size sweep", "", f"{env['date']} · {env['device']} · torch "
-             f"{env['torch']} · triton {env['triton']} · bf16", "",
-             "| shape | config | µs | TFLOP/s | of cuBLAS | max diff / max vs default |",
-             "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['shape']} | {r['config']} | {r['us']} | "
-              f"{r['tflops'] if r.get('tflops') else r.get('error', '')} | "
-              f"{r.get('of_cublas') or ''} | "
-              f"{format(r['diff'], '.2g') if 'diff' in r else ''} |" for r in rows]
-    flat = [{**env, "error": "", "diff": None, "of_cublas": None, **r} for r in rows]
-    write_results(args.out, "matmul_tuning", flat, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_sweep_report(args.out, "matmul_tuning", "Matmul block-size sweep", "bf16", device,
+                       {"shape": "shape", "config": "config"}, rows,
+                       extra={"of cuBLAS": "of_cublas"})
     return 0
 
 
