@@ -397,7 +397,8 @@ MLA_SIZES = {"he": 7168, "hcq": 1536, "hckv": 512, "n": 128, "d": 128, "dr": 64}
 MLA_TOKENS = (16, 1024)
 
 
-def _mla_torch(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def mla_torch(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """MlaProlog composed of torch ops (its OpDef's peer) at the default attributes."""
     from opforge.ops.mla_prolog import MLA_PROLOG
 
     return MLA_PROLOG.precision.peer(*inputs, 1e-5, 1e-5, "PA_BSND")
@@ -424,7 +425,7 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
                                 blocks=max(32, tokens // 16 + 1), block_size=128,
                                 **MLA_SIZES)
             ours = opforge.mla_prolog(*[t.clone() for t in inputs])
-            theirs = _mla_torch(*inputs)
+            theirs = mla_torch(*inputs)
             worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
                         for a, e in zip(ours[:2], theirs[:2]))
             rows.append(Row("check", "mla_prolog", shape, "bf16", "opforge vs torch ops",
@@ -432,10 +433,10 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
                             detail="max |diff| / max |torch|, bound 3e-2"))
             cost = opforge.plan("mla_prolog", *inputs).cost
             impls = [("opforge", functools.partial(opforge.mla_prolog, *inputs)),
-                     ("torch eager", functools.partial(_mla_torch, *inputs))]
+                     ("torch eager", functools.partial(mla_torch, *inputs))]
             if compile_peers:
                 impls.append(("torch.compile", functools.partial(
-                    torch.compile(_mla_torch, dynamic=False), *inputs)))
+                    torch.compile(mla_torch, dynamic=False), *inputs)))
             # Decoding replays a captured step: both sides without their launch costs.
             for name, call in impls[:2]:
                 graphed = f"{name} (CUDA graph replay)"

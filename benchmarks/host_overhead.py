@@ -35,8 +35,9 @@ import torch
 from torch.nn import functional
 
 import opforge
+from gpu_bench import mla_torch
 from opforge.core import backends
-from opforge.ops.mla_prolog import MLA_PROLOG, mla_inputs
+from opforge.ops.mla_prolog import mla_inputs
 from opforge.profiler.results import environment, write_results
 
 
@@ -72,10 +73,6 @@ def per_call_us(call: Callable[[], Any], calls: int, repeats: int,
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(samples)
-
-
-def _mla_torch(*inputs: torch.Tensor) -> Any:
-    return MLA_PROLOG.precision.peer(*inputs, 1e-5, 1e-5, "PA_BSND")
 
 
 def cases(device: torch.device) -> list[dict[str, Any]]:
@@ -114,7 +111,7 @@ def cases(device: torch.device) -> list[dict[str, Any]]:
          "torch": lambda s, t, u: functional.scaled_dot_product_attention(
              s, t, u, is_causal=True), "grad": (0, 1, 2)},
         {"op": "mla_prolog", "inputs": mla, "attrs": {},
-         "ours": lambda *t: opforge.mla_prolog(*t), "torch": _mla_torch, "grad": ()},
+         "ours": lambda *t: opforge.mla_prolog(*t), "torch": mla_torch, "grad": ()},
     ]
 
 
