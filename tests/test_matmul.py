@@ -9,6 +9,7 @@ import torch
 import opforge
 import opforge.nn
 from opforge.core.opdef import Case
+from opforge.profiler.session import kernel_costs
 
 from .conftest import DEVICE, assert_golden
 
@@ -123,6 +124,60 @@ def test_tiling_follows_the_problem_and_the_device():
     assert small.blocks["BLOCK_M"] == 16
     with opforge.use_backend("triton"), opforge.use_hardware("cpu"):
         assert opforge.plan(MATMUL, a, b).tiling.options["stages"] is None
+
+
+@pytest.mark.parametrize("splits", [3, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("a_shape, b_shape", [((17, 300), (300, 130)), ((3, 5, 200), (200, 7)),
+                                              ((2, 1, 9, 70), (3, 70, 33))], ids=str)
+def test_k_slices_sum_to_the_golden(a_shape, b_shape, dtype, splits, monkeypatch):
+    """Split K (the skinny-problem tiling of GPUs) forced on the Triton kernels: whole
+    BLOCK_K steps per slice, a last slice shorter than the others, more slices asked for
+    than K has steps, broadcast batches; the products write float32 partials into the
+    poisoned workspace and the second kernel sums them in slice order, so the result is
+    the golden's within the usual bound and the same on every run."""
+    from opforge.ops import matmul
+
+    monkeypatch.setattr(matmul, "work_splits", lambda *args: splits)
+    a, b = _x(*a_shape, dtype=dtype), _x(*b_shape, dtype=dtype, seed=1)
+    opforge.clear_caches()
+    opforge.set_poison(True)
+    try:
+        with opforge.use_backend("triton"):
+            plan = opforge.plan(MATMUL, a, b)
+            outs = [plan.run(a, b) for _ in range(2)]
+    finally:
+        opforge.set_poison(False)
+        opforge.clear_caches()
+    k = a_shape[-1]
+    steps = -(-k // plan.tiling.blocks["BLOCK_K"])
+    assert plan.grid[2] == -(-steps // -(-steps // splits)) > 1
+    assert plan.workspace_bytes == 4 * plan.grid[2] * outs[0].numel()
+    costs = kernel_costs(plan)  # what the profiler gives each of the two kernels
+    assert costs["_matmul_kernel"][0] == plan.cost.flops
+    assert costs["_sum_slices_kernel"][1] > 0
+    assert torch.equal(outs[0], outs[1])
+    assert_golden(MATMUL, Case("k_slices", (a, b)), outs[0])
+
+
+def test_skinny_products_on_a_gpu_profile_split_k():
+    """A decode step's down-projection (16 tokens, K 7168, N 1536) has 12 output tiles
+    for an H200's 132 cores: the grid cuts K into slices for up to two programs a core
+    (whole BLOCK_K steps, at least 4 a slice, so every core gets one), and sizes the workspace for their float32 partials.
+    A square product that fills the cores, and any product on the CPU, is not split."""
+    x = _x(16, 7168, dtype=torch.bfloat16)
+    w = _x(7168, 1536, dtype=torch.bfloat16, seed=1)
+    square = _x(4096, 4096, dtype=torch.bfloat16)
+    with opforge.use_backend("triton"), opforge.use_hardware("h200"):
+        skinny = opforge.plan(MATMUL, x, w)
+        big = opforge.plan(MATMUL, square, square)
+    tiles = skinny.grid[0] * skinny.grid[1]
+    assert tiles == 12 and 132 <= tiles * skinny.grid[2] <= 2 * 132 + tiles
+    assert 7168 // skinny.grid[2] >= 4 * skinny.tiling.blocks["BLOCK_K"]
+    assert skinny.workspace_bytes == 4 * skinny.grid[2] * 16 * 1536
+    assert big.grid[2] == 1 and big.workspace_bytes == 0
+    with opforge.use_backend("triton"), opforge.use_hardware("cpu"):
+        assert opforge.plan(MATMUL, x, w).grid[2] == 1
 
 
 def test_linear_is_a_drop_in_for_torch():

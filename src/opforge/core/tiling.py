@@ -32,6 +32,26 @@ def persistent_grid(tiles: int, hardware: HardwareProfile) -> int:
     return max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS))
 
 
+def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps: int = 4
+                ) -> int:
+    """Slices of a loop of ``steps`` block steps (a long reduction: K of a matmul, the keys
+    of attention) when ``programs`` programs leave cores idle (skinny or decoding shapes):
+    each slice becomes a program of its own and a second kernel combines the slices'
+    float32 partials. Enough slices for two programs a core, each at least ``min_steps``
+    steps long; 1 on the CPU (the interpreter pays per block operation, not per idle core)
+    and when the programs fill the cores."""
+    if hardware.device_type == "cpu" or not 0 < programs < hardware.core_count:
+        return 1
+    return max(1, min(cdiv(2 * hardware.core_count, programs), steps // min_steps))
+
+
+def split_steps(steps: int, splits: int) -> tuple[int, int]:
+    """(block steps a slice holds, slices that hold any) of ``steps`` steps cut into at
+    most ``splits`` slices of whole steps."""
+    per_split = cdiv(steps, max(1, splits))
+    return per_split, cdiv(steps, per_split) if steps else 1
+
+
 def gpu_warps(elements: int, hardware: HardwareProfile) -> int | None:
     """Warps for a program that keeps ``elements`` values live, on a CUDA GPU: about 16
     values a thread, from 4 to 32 warps (fewer warps spill registers on wide rows). ``None``

@@ -73,7 +73,9 @@ from opforge.core.tiling import (
     gpu_warps,
     launch_options,
     next_power_of_2,
+    split_steps,
     wide_offsets,
+    work_splits,
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
@@ -262,13 +264,9 @@ def _key_splits(query_blocks: int, heads: int, sk: int, block_n: int,
                 hardware: HardwareProfile) -> int:
     """Slices of the keys in the forward (flash-decoding): when the query blocks of every
     head leave cores idle (decoding: a few queries over a long cache), each program takes
-    one slice of the keys and a second kernel merges the slices by their log-sum-exp.
-    Enough slices for two programs a core, each at least 4 key blocks long; none on the
-    CPU (the interpreter pays per block operation, not per idle core)."""
-    programs = query_blocks * heads
-    if hardware.device_type == "cpu" or not 0 < programs < hardware.core_count:
-        return 1
-    return max(1, min(cdiv(2 * hardware.core_count, programs), sk // (4 * block_n)))
+    one slice of the keys and a second kernel merges the slices by their log-sum-exp
+    (`work_splits`: two programs a core, each slice at least 4 key blocks long)."""
+    return work_splits(query_blocks * heads, sk // block_n, hardware)
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -307,8 +305,8 @@ def _key_slices(tiling: Tiling, sk: int) -> tuple[int, int]:
     """(keys a slice holds, slices that hold any): whole key blocks per slice, as few
     slices as the tiling's ``splits`` allow."""
     block_n = tiling.blocks["BLOCK_N"]
-    keys_per_split = cdiv(cdiv(sk, block_n), tiling.options.get("splits", 1)) * block_n
-    return keys_per_split, cdiv(sk, keys_per_split)
+    blocks_per_split, slices = split_steps(cdiv(sk, block_n), tiling.options.get("splits", 1))
+    return blocks_per_split * block_n, slices
 
 
 def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,

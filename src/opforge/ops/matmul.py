@@ -43,12 +43,16 @@ from opforge.core.opdef import (
 )
 from opforge.core.shapes import UNKNOWN_RANK, broadcast_shapes, is_unknown_rank
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     cdiv,
     gpu_warps,
     launch_options,
     next_power_of_2,
+    persistent_grid,
+    split_steps,
     wide_offsets,
+    work_splits,
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
@@ -65,6 +69,7 @@ except ImportError:  # pragma: no cover
 
 NAME = "matmul"
 GROUP_M = 8
+SUM_BLOCK = 1024  # elements a program of the K-slice sum adds per step
 
 
 def _operands(a: Sequence[int], b: Sequence[int]) -> tuple[tuple[int, ...], int, int, int]:
@@ -151,9 +156,40 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
-    batch, m, _, n = _operands(inputs[0].shape, inputs[1].shape)
+    """(programs over the output tiles, batch, K slices). When the output tiles of all
+    batches leave cores idle (a few rows against a wide weight: decoding), K is cut into
+    slices of whole ``BLOCK_K`` steps (`work_splits`) whose float32 partials a second
+    kernel sums."""
+    batch, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
+    count = math.prod(batch)
     tiles = cdiv(m, tiling.blocks["BLOCK_M"]) * cdiv(n, tiling.blocks["BLOCK_N"])
-    return (max(1, min(tiles, MAX_PROGRAMS)), max(1, min(math.prod(batch), MAX_PROGRAMS)))
+    steps = cdiv(k, tiling.blocks["BLOCK_K"])
+    _, slices = split_steps(steps, work_splits(tiles * count, steps, hardware))
+    return max(1, min(tiles, MAX_PROGRAMS)), max(1, min(count, MAX_PROGRAMS)), slices
+
+
+def _partials(grid: tuple[int, ...], inputs: Specs) -> int:
+    """Float32 partial sums of split K: slices x batch x M x N (0 without slices)."""
+    batch, m, _, n = _operands(inputs[0].shape, inputs[1].shape)
+    return 0 if grid[2] == 1 else grid[2] * math.prod(batch) * m * n
+
+
+def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+               attrs: Attrs) -> int:
+    return 4 * _partials(grid, inputs)
+
+
+def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                  attrs: Attrs) -> dict[str, Cost]:
+    """The product kernel's cost, and with K slices the sum kernel's: the float32
+    partials the first writes instead of the output, and the second reads back."""
+    cost = _cost(inputs, outputs, attrs)
+    partials = _partials(grid, inputs)
+    if not partials:
+        return {"_matmul_kernel": cost}
+    written = outputs[0].numel * outputs[0].itemsize
+    return {"_matmul_kernel": Cost(cost.flops, cost.bytes_moved - written + 4 * partials),
+            "_sum_slices_kernel": Cost(partials, 4 * partials + written)}
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -211,7 +247,8 @@ MATMUL = OpDef(
     inputs=(TensorArg("a"), TensorArg("b")), outputs=(OutputArg("out"),),
     attrs=(Attr("allow_tf32", "bool", False, doc="float32 products in tf32 on GPUs"),),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, samples=_samples, autocast=AutocastPolicy.LOWER,
+    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
+    samples=_samples, autocast=AutocastPolicy.LOWER,
     error_scale=_abs_product_scale,
     precision=PrecisionSpec("ulp", peer=_torch_matmul, sweep=_sweep, known_limitations=(
         KnownLimitation(
@@ -240,16 +277,23 @@ def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
 if triton is not None:
 
     @triton.jit
-    def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_ab, stride_am, stride_ak,
-                       stride_bb, stride_bk, stride_bn, UPCAST: tl.constexpr,
+    def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_SLICE, stride_ab, stride_am, stride_ak,
+                       stride_bb, stride_bk, stride_bn, stride_cs, UPCAST: tl.constexpr,
                        PRECISION: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Output tiles of batch ``program_id(1)`` over K slice ``program_id(2)`` (``K_SLICE``
+        of K; all of it unsplit), into ``c_ptr``: the output, or the float32 partials of
+        the slices ``stride_cs`` apart."""
         batch = tl.program_id(1)
+        k_slice = tl.program_id(2)
         if WIDE:
             batch = batch.to(tl.int64)
+            k_slice = k_slice.to(tl.int64)
         a_ptr += batch * stride_ab
         b_ptr += batch * stride_bb
-        c_ptr += batch * M * N
+        c_ptr += batch * M * N + k_slice * stride_cs
+        k_first = k_slice * K_SLICE
+        k_end = tl.minimum(K, k_first + K_SLICE)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
@@ -265,16 +309,37 @@ if triton is not None:
                 rows = rows.to(tl.int64)
                 cols = cols.to(tl.int64)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, K, BLOCK_K):
+            for start in range(k_first, k_end, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
                 a = dot_operand(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                             (rows < M)[:, None] & (ks < K)[None, :], UPCAST)
+                                (rows < M)[:, None] & (ks < k_end)[None, :], UPCAST)
                 b = dot_operand(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                             (ks < K)[:, None] & (cols < N)[None, :], UPCAST)
+                                (ks < k_end)[:, None] & (cols < N)[None, :], UPCAST)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
             tl.store(c_ptr + rows[:, None] * N + cols[None, :], rounded_for(acc, c_ptr),
                      mask=mask)
+
+    @triton.jit
+    def _sum_slices_kernel(partials_ptr, out_ptr, total, SLICES: tl.constexpr,
+                           WIDE: tl.constexpr, BLOCK: tl.constexpr):
+        """out = the float32 sum of the K slices' partials (``total`` apart), in slice
+        order (deterministic), rounded once to the output dtype."""
+        slice_stride = total
+        if WIDE:
+            slice_stride = slice_stride.to(tl.int64)
+        for block in range(tl.program_id(0), tl.cdiv(total, BLOCK), tl.num_programs(0)):
+            if WIDE:
+                first = block.to(tl.int64) * BLOCK
+            else:
+                first = block * BLOCK
+            offsets = first + tl.arange(0, BLOCK)
+            mask = offsets < total
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for k_slice in tl.static_range(SLICES):
+                acc += tl.load(partials_ptr + k_slice * slice_stride + offsets, mask=mask,
+                               other=0.0)
+            tl.store(out_ptr + offsets, rounded_for(acc, out_ptr), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,8 +360,10 @@ def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @MATMUL.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """One program per output tile (persistently), ``program_id(1)`` the batch index;
-    batches past the grid limit are launched in chunks."""
+    """One program per output tile (persistently), ``program_id(1)`` the batch index,
+    ``program_id(2)`` the K slice; batches past the grid limit are launched in chunks. With
+    K slices, the products write float32 partials to the workspace and a second kernel
+    sums them into the output."""
     out = outputs[0]
     if inputs[0].ndim == 2 and inputs[1].ndim == 2:
         # No batch: the operands as they are, with a batch stride of 0 (no views to build:
@@ -313,17 +380,31 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if k == 0:
         out.zero_()
         return
+    slices = plan.grid[2]
+    block_k = plan.tiling.blocks["BLOCK_K"]
+    k_per_slice = split_steps(cdiv(k, block_k), slices)[0] * block_k
+    wide = wide_offsets(a, b, out) or slices * out.numel() > INT32_LIMIT
     options = {"UPCAST": backends.interpreter_enabled(),
                "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
-               else "ieee", "WIDE": wide_offsets(a, b, out), "GROUP": GROUP_M,
+               else "ieee", "WIDE": wide, "GROUP": GROUP_M,
                **plan.tiling.blocks, **launch_options(plan.tiling)}
+    if slices > 1:
+        # Slices are chosen only while the tiles of all batches leave cores idle, so the
+        # batch fits one launch.
+        total = out.numel()
+        partials = workspace.view(torch.float32)[: slices * total]
+        _matmul_kernel[(plan.grid[0], count, slices)](a, b, partials, m, n, k, k_per_slice,
+                                                      *strides, total, **options)
+        _sum_slices_kernel[(persistent_grid(cdiv(total, SUM_BLOCK), plan.hardware),)](
+            partials, out, total, SLICES=slices, WIDE=wide, BLOCK=SUM_BLOCK)
+        return
     if count <= MAX_PROGRAMS:
-        _matmul_kernel[(plan.grid[0], count)](a, b, out, m, n, k, *strides, **options)
+        _matmul_kernel[(plan.grid[0], count, 1)](a, b, out, m, n, k, k, *strides, 0, **options)
         return
     for start in range(0, count, MAX_PROGRAMS):
         chunk = slice(start, min(count, start + MAX_PROGRAMS))
-        _matmul_kernel[(plan.grid[0], chunk.stop - start)](a[chunk], b[chunk], out[chunk], m, n,
-                                                           k, *strides, **options)
+        _matmul_kernel[(plan.grid[0], chunk.stop - start, 1)](
+            a[chunk], b[chunk], out[chunk], m, n, k, k, *strides, 0, **options)
 
 
 # ---------------------------------------------------------------------------------------------
