@@ -138,7 +138,7 @@ def test_k_slices_sum_to_the_golden(a_shape, b_shape, dtype, splits, monkeypatch
     the golden's within the usual bound and the same on every run."""
     from opforge.ops import matmul
 
-    monkeypatch.setattr(matmul, "work_splits", lambda *args: splits)
+    monkeypatch.setattr(matmul, "work_splits", lambda *args, **kwargs: splits)
     a, b = _x(*a_shape, dtype=dtype), _x(*b_shape, dtype=dtype, seed=1)
     opforge.clear_caches()
     opforge.set_poison(True)
@@ -163,8 +163,9 @@ def test_k_slices_sum_to_the_golden(a_shape, b_shape, dtype, splits, monkeypatch
 def test_skinny_products_on_a_gpu_profile_split_k():
     """A decode step's down-projection (16 tokens, K 7168, N 1536) has 12 output tiles
     for an H200's 132 cores: the grid cuts K into slices for up to two programs a core
-    (whole BLOCK_K steps, at least 4 a slice, so every core gets one), and sizes the workspace for their float32 partials.
-    A square product that fills the cores, and any product on the CPU, is not split."""
+    (whole BLOCK_K steps, at least 4 a slice, so every core gets one), and sizes the
+    workspace for their float32 partials. A square product that fills the cores, and any
+    product on the CPU, is not split."""
     x = _x(16, 7168, dtype=torch.bfloat16)
     w = _x(7168, 1536, dtype=torch.bfloat16, seed=1)
     square = _x(4096, 4096, dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ import opforge
 from opforge.compat.torch_npu import npu_mla_prolog
 from opforge.core.opdef import Case
 from opforge.ops.mla_prolog import cache_rows, mla_inputs, nz_view
+from opforge.profiler.session import kernel_costs
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
@@ -148,6 +149,62 @@ def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
         assert torch.equal(mine, theirs)
     for buffer, cache in zip(guarded, inputs[10:]):
         assert (buffer[cache.shape[0]:] == 7.0).all()
+
+
+@pytest.mark.parametrize("slices", [3, 40])
+@pytest.mark.parametrize("mode", ["PA_BSND", "PA_NZ"])
+def test_sliced_projections_match_the_golden(mode, slices, monkeypatch):
+    """The decode tiling of GPUs forced on the Triton kernels: He of the KV projection cut
+    into slices whose float32 partial sums the merge kernel adds before the norm, rope and
+    scatter, and the query down-projection's K sliced alike (opforge's matmul). A last
+    slice shorter than the others, more slices asked for than He has steps, skipped
+    tokens, both cache layouts; the workspace is poisoned, so a partial the merge reads
+    but no slice wrote shows."""
+    from opforge.ops import matmul, mla_prolog
+
+    for module in (matmul, mla_prolog):
+        monkeypatch.setattr(module, "work_splits", lambda *args, **kwargs: slices)
+    inputs = _inputs(21, seed=11, he=600, hcq=48, hckv=64, n=3, d=24, dr=16, blocks=4)
+    opforge.clear_caches()
+    opforge.set_poison(True)
+    try:
+        with opforge.use_backend("triton"):
+            plan = opforge.plan(MLA, *inputs, cache_mode=mode)
+            written = [t.clone() for t in inputs]
+            outputs = (*plan.run(*written), *written[10:])
+    finally:
+        opforge.set_poison(False)
+        opforge.clear_caches()
+    assert plan.grid[1] > 1 and plan.workspace_bytes > 0
+    costs = kernel_costs(plan)  # what the profiler gives each of the two KV kernels
+    assert costs["_mla_kv_kernel"][0] > 0 and costs["_mla_kv_merge_kernel"][1] > 0
+    assert_golden(MLA, Case("sliced", inputs, {"cache_mode": mode}), outputs)
+
+
+def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
+    """DeepSeek-V3 sizes on an H200 profile: 16 tokens are one block of the KV kernel, so
+    He (7168) is cut into slices of at least 4 BLOCK_K steps for the 132 cores, with
+    their float32 partials in the workspace; 1024 tokens (64 blocks) take a few slices;
+    4096 tokens fill the cores without."""
+    grids = {}
+    he, hcq, hckv, n, d, dr = 7168, 1536, 512, 128, 128, 64
+    for tokens in (16, 1024, 4096):
+        shapes = ((tokens, he), (he, hcq), (hcq, n * (d + dr)), (n, d, hckv), (he, hckv + dr),
+                  (hcq,), (hckv,), (tokens, dr), (tokens, dr))
+        inputs = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
+        blocks = max(4, tokens // 16)
+        inputs += [torch.zeros(tokens, dtype=torch.int64),
+                   torch.empty(blocks, 16, 1, hckv, dtype=torch.bfloat16),
+                   torch.empty(blocks, 16, 1, dr, dtype=torch.bfloat16)]
+        with opforge.use_backend("triton"), opforge.use_hardware("h200"):
+            plan = opforge.plan(MLA, *inputs)
+        grids[tokens] = (plan.grid, plan.workspace_bytes)
+    (programs, slices), workspace = grids[16]
+    assert programs == 1 and slices == 7168 // (4 * 64)  # slices of 4 BLOCK_K steps
+    assert workspace == 4 * slices * 16 * (512 + 2 * 64)
+    (programs, slices), _ = grids[1024]
+    assert programs == 64 and 132 <= programs * slices <= 2 * 132 + programs
+    assert grids[4096] == ((256, 1), 0)
 
 
 @pytest.mark.parametrize("index, shape, param", [

@@ -32,15 +32,15 @@ def persistent_grid(tiles: int, hardware: HardwareProfile) -> int:
     return max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS))
 
 
-def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps: int = 4
-                ) -> int:
+def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps: int = 4,
+                busy_share: float = 1.0) -> int:
     """Slices of a loop of ``steps`` block steps (a long reduction: K of a matmul, the keys
     of attention) when ``programs`` programs leave cores idle (skinny or decoding shapes):
     each slice becomes a program of its own and a second kernel combines the slices'
     float32 partials. Enough slices for two programs a core, each at least ``min_steps``
     steps long; 1 on the CPU (the interpreter pays per block operation, not per idle core)
-    and when the programs fill the cores."""
-    if hardware.device_type == "cpu" or not 0 < programs < hardware.core_count:
+    and when the programs fill ``busy_share`` of the cores or more."""
+    if hardware.device_type == "cpu" or not 0 < programs < busy_share * hardware.core_count:
         return 1
     return max(1, min(cdiv(2 * hardware.core_count, programs), steps // min_steps))
 

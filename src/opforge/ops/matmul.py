@@ -7,7 +7,11 @@ BLOCK_N`` accumulate in float32 through ``tl.dot``; float32 inputs use IEEE prod
 ``allow_tf32`` (then the tensor cores' tf32, ~10 mantissa bits per product). Output tiles
 are visited in groups of ``GROUP_M`` rows so that neighbouring programs share ``b`` tiles in
 the L2 cache. The tiling picks block sizes from M, N, K and the `HardwareProfile` (smaller
-blocks for skinny problems, the on-chip budget for the pipelined stages).
+blocks for skinny problems, the on-chip budget for the pipelined stages). A decode-sized
+product (a few rows against a wide weight) has too few output tiles to keep a GPU's cores
+streaming the weight: K is then cut into slices, each a program writing float32 partial
+sums to the workspace, and a second kernel adds them in slice order (the same result on
+every run) and rounds once to the output dtype.
 
 Under Triton's interpreter the operands are widened to float32 before ``tl.dot`` (it has
 no bf16 dot); compiled, bf16/fp16 operands go to the tensor cores as they are.
@@ -157,14 +161,17 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
     """(programs over the output tiles, batch, K slices). When the output tiles of all
-    batches leave cores idle (a few rows against a wide weight: decoding), K is cut into
-    slices of whole ``BLOCK_K`` steps (`work_splits`) whose float32 partials a second
+    batches leave most cores idle (a few rows against a wide weight: decoding), K is cut
+    into slices of whole ``BLOCK_K`` steps (`work_splits`) whose float32 partials a second
     kernel sums."""
     batch, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
     count = math.prod(batch)
     tiles = cdiv(m, tiling.blocks["BLOCK_M"]) * cdiv(n, tiling.blocks["BLOCK_N"])
     steps = cdiv(k, tiling.blocks["BLOCK_K"])
-    _, slices = split_steps(steps, work_splits(tiles * count, steps, hardware))
+    # A tile's pipelined operands fill most of a core's shared memory, so slices run in
+    # rounds of one program a core: they pay off while at least half the cores would idle.
+    _, slices = split_steps(steps, work_splits(tiles * count, steps, hardware,
+                                               busy_share=0.5))
     return max(1, min(tiles, MAX_PROGRAMS)), max(1, min(count, MAX_PROGRAMS)), slices
 
 
@@ -321,8 +328,8 @@ if triton is not None:
                      mask=mask)
 
     @triton.jit
-    def _sum_slices_kernel(partials_ptr, out_ptr, total, SLICES: tl.constexpr,
-                           WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_slices_kernel(partials_ptr, out_ptr, total, slices, WIDE: tl.constexpr,
+                           BLOCK: tl.constexpr):
         """out = the float32 sum of the K slices' partials (``total`` apart), in slice
         order (deterministic), rounded once to the output dtype."""
         slice_stride = total
@@ -336,7 +343,7 @@ if triton is not None:
             offsets = first + tl.arange(0, BLOCK)
             mask = offsets < total
             acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for k_slice in tl.static_range(SLICES):
+            for k_slice in range(slices):
                 acc += tl.load(partials_ptr + k_slice * slice_stride + offsets, mask=mask,
                                other=0.0)
             tl.store(out_ptr + offsets, rounded_for(acc, out_ptr), mask=mask)
@@ -396,7 +403,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         _matmul_kernel[(plan.grid[0], count, slices)](a, b, partials, m, n, k, k_per_slice,
                                                       *strides, total, **options)
         _sum_slices_kernel[(persistent_grid(cdiv(total, SUM_BLOCK), plan.hardware),)](
-            partials, out, total, SLICES=slices, WIDE=wide, BLOCK=SUM_BLOCK)
+            partials, out, total, slices, WIDE=wide, BLOCK=SUM_BLOCK)
         return
     if count <= MAX_PROGRAMS:
         _matmul_kernel[(plan.grid[0], count, 1)](a, b, out, m, n, k, k, *strides, 0, **options)

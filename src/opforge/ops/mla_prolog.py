@@ -30,8 +30,11 @@ result rounded at CANN's points); the KV path is one fused kernel per block of t
 computes the ``kv`` projection in float32, never stores it, and applies the RMSNorm, the
 interleave-half RoPE (the rope columns of the weight are read in rotated order, so each
 output element finds its partner in a second accumulator) and the scatter into both
-caches. The torch backend computes the same formula at float32 and writes only the
-indexed cache rows.
+caches. A decode step's few tokens make one or two such blocks, each reading all of
+``weight_dkv_kr``: He is then cut into slices, each a program writing the float32 partial
+sums of its slice, and a merge kernel adds them in slice order before the norm, rope and
+scatter (still no rounding of ``kv``). The torch backend computes the same formula at
+float32 and writes only the indexed cache rows.
 """
 
 from __future__ import annotations
@@ -58,7 +61,15 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import is_unknown_rank
-from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+    split_steps,
+    work_splits,
+)
 from opforge.library import register_op
 from opforge.ops.rope import reference as rope_reference
 from opforge.ops.rope import rope_tables
@@ -76,6 +87,7 @@ except ImportError:  # pragma: no cover
 NAME = "mla_prolog"
 CACHE_MODES = ("PA_BSND", "PA_NZ")
 NZ_BYTES = 32
+MERGE_ROWS = 1  # tokens a program of the KV merge kernel takes: one, for the most programs
 INDEX_DTYPES = (torch.int64, torch.int32)
 EPS_RANGE = (0.0, None)
 INPUT_NAMES = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr",
@@ -174,12 +186,19 @@ def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs:
                   attrs: Attrs) -> dict[str, Cost]:
     """The fused KV kernel (the query path's matmuls, norm and rope are plans of their own,
     with their own costs): the latent and rope projections (the rope columns twice, in
-    source and partner order) and the rows written into the caches."""
+    source and partner order) and the rows written into the caches; with He in slices,
+    the float32 partials it writes instead, which the merge kernel reads back."""
     s = _sizes(inputs, attrs)
     t, he, hckv, dr = (s[k] for k in ("t", "he", "hckv", "dr"))
     item = inputs[0].itemsize
-    moved = (t * he + he * (hckv + dr) + hckv + 2 * t * dr + t * (hckv + dr)) * item
-    return {"_mla_kv_kernel": Cost(flops=2 * t * he * (hckv + 2 * dr), bytes_moved=moved)}
+    products = Cost(flops=2 * t * he * (hckv + 2 * dr),
+                    bytes_moved=(t * he + he * (hckv + dr)) * item)
+    rows = (hckv + 2 * t * dr + t * (hckv + dr)) * item  # gamma, tables, cache rows
+    partials = 4 * _partials(tiling, grid, t)
+    if not partials:
+        return {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + rows)}
+    return {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + partials),
+            "_mla_kv_merge_kernel": Cost(partials // 4, partials + rows)}
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -212,8 +231,26 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
-    tokens = _sizes(inputs, attrs)["t"]
-    return (max(1, min(cdiv(tokens, tiling.blocks["BLOCK_T"]), MAX_PROGRAMS)),)
+    """(programs over the token blocks, slices of He). A decode step's few token blocks
+    would leave most cores idle, each reading all of ``weight_dkv_kr``: He is then cut
+    into slices (`work_splits`) whose float32 partial sums a second kernel adds before
+    the norm, rope and scatter."""
+    sizes = _sizes(inputs, attrs)
+    token_blocks = cdiv(sizes["t"], tiling.blocks["BLOCK_T"])
+    steps = cdiv(sizes["he"], tiling.blocks["BLOCK_K"])
+    _, slices = split_steps(steps, work_splits(token_blocks, steps, hardware))
+    return max(1, min(token_blocks, MAX_PROGRAMS)), slices
+
+
+def _partials(tiling: Tiling, grid: tuple[int, ...], tokens: int) -> int:
+    """float32 partial sums of sliced He: slices x T x (BLOCK_C + 2 BLOCK_R)."""
+    width = tiling.blocks["BLOCK_C"] + 2 * tiling.blocks["BLOCK_R"]
+    return 0 if grid[1] == 1 else grid[1] * tokens * width
+
+
+def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+               attrs: Attrs) -> int:
+    return 4 * _partials(tiling, grid, _sizes(inputs, attrs)["t"])
 
 
 def nz_view(cache: torch.Tensor) -> torch.Tensor:
@@ -364,8 +401,8 @@ MLA_PROLOG = OpDef(
            Attr("rmsnorm_epsilon_ckv", "float", 1e-5, range=EPS_RANGE),
            Attr("cache_mode", "str", "PA_BSND", choices=CACHE_MODES)),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, kernel_costs=_kernel_costs, samples=_samples,
-    error_scale=_magnitude_scale,
+    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
+    samples=_samples, error_scale=_magnitude_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_mla_prolog, sweep=_sweep,
                             known_limitations=(OVERFLOWING_PROJECTIONS,)))
 
@@ -480,58 +517,129 @@ if triton is not None:
             return slots[:, None] * WIDTH + cols[None, :]
 
     @triton.jit
-    def _mla_kv_kernel(x_ptr, w_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr, kr_ptr,
-                       T, HE, HCKV, DR, stride_xt, stride_xk, stride_wk, stride_wn, eps,
-                       block_size, slot_count, NZ: tl.constexpr, COL0: tl.constexpr,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Per block of tokens: kv = x @ W in float32 (latent columns, and the rope columns
-        twice, in the rotation's source and partner orders), RMSNorm of the latent row,
-        interleave-half RoPE, scatter of both into the caches (negative slots and slots
-        past ``slot_count`` write nothing)."""
+    def _kv_products(x_ptr, w_ptr, rows, row_mask, k_first, k_end, HCKV, DR, stride_xt,
+                     stride_xk, stride_wk, stride_wn, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        """float32 sums over He in ``[k_first, k_end)`` of x @ W for a block of tokens: the
+        latent columns, and the rope columns twice, in the rotation's source and partner
+        orders (so that each rotated element finds its partner at its own position)."""
         latent = tl.arange(0, BLOCK_C)
         rope = tl.arange(0, BLOCK_R)
-        source, _, partner, _, sign = rope_indices(rope, DR, "interleave_half", False)
+        source, _, partner, _, _ = rope_indices(rope, DR, "interleave_half", False)
+        acc_c = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        acc_p = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        acc_q = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for start in range(k_first, k_end, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_mask = ks < k_end
+            x = dot_operand(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
+                            row_mask[:, None] & k_mask[None, :], UPCAST)
+            w_rows = w_ptr + ks[:, None] * stride_wk
+            w_c = dot_operand(w_rows + latent[None, :] * stride_wn,
+                              k_mask[:, None] & (latent < HCKV)[None, :], UPCAST)
+            rope_mask = k_mask[:, None] & (rope < DR)[None, :]
+            w_p = dot_operand(w_rows + (HCKV + source)[None, :] * stride_wn, rope_mask,
+                              UPCAST)
+            w_q = dot_operand(w_rows + (HCKV + partner)[None, :] * stride_wn, rope_mask,
+                              UPCAST)
+            acc_c = tl.dot(x, w_c, acc_c, input_precision=PRECISION)
+            acc_p = tl.dot(x, w_p, acc_p, input_precision=PRECISION)
+            acc_q = tl.dot(x, w_q, acc_q, input_precision=PRECISION)
+        return acc_c, acc_p, acc_q
+
+    @triton.jit
+    def _kv_write_rows(acc_c, acc_p, acc_q, rows, row_mask, gamma_ptr, cos_ptr, sin_ptr,
+                       index_ptr, kv_ptr, kr_ptr, HCKV, DR, eps, block_size, slot_count,
+                       NZ: tl.constexpr, COL0: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+        """RMSNorm of the latent rows, interleave-half RoPE of the rope rows, and the
+        scatter of both into the caches (negative slots and slots past ``slot_count``
+        write nothing)."""
+        latent = tl.arange(0, BLOCK_C)
+        rope = tl.arange(0, BLOCK_R)
+        _, _, _, _, sign = rope_indices(rope, DR, "interleave_half", False)
+        rstd = 1.0 / tl.sqrt(tl.sum(acc_c * acc_c, 1) / HCKV + eps)
+        gamma = widen(tl.load(gamma_ptr + latent, mask=latent < HCKV, other=0.0))
+        ckv = acc_c * rstd[:, None] * gamma[None, :]
+        table = rows[:, None] * DR + rope[None, :]
+        table_mask = row_mask[:, None] & (rope < DR)[None, :]
+        cos = widen(tl.load(cos_ptr + table, mask=table_mask, other=0.0))
+        sin = widen(tl.load(sin_ptr + table, mask=table_mask, other=0.0))
+        kr = acc_p * cos + sign[None, :] * acc_q * sin
+        slots = tl.load(index_ptr + rows, mask=row_mask, other=-1)  # integer index
+        slots = slots.to(tl.int64)
+        keep = (slots >= 0) & (slots < slot_count) & row_mask
+        slots = tl.where(keep, slots, 0)
+        kv_offsets = _cache_offsets(slots, latent, HCKV, block_size, NZ, COL0)
+        tl.store(kv_ptr + kv_offsets, rounded_for(ckv, kv_ptr),
+                 mask=keep[:, None] & (latent < HCKV)[None, :])
+        kr_offsets = _cache_offsets(slots, rope, DR, block_size, NZ, COL0)
+        tl.store(kr_ptr + kr_offsets, rounded_for(kr, kr_ptr),
+                 mask=keep[:, None] & (rope < DR)[None, :])
+
+    @triton.jit
+    def _partial_offsets(k_slice, rows, T, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Where slice ``k_slice``'s three accumulators of ``rows`` lie in the float32
+        partials ``(slices, T, BLOCK_C + 2 BLOCK_R)``: latent, source rope, partner rope."""
+        width: tl.constexpr = BLOCK_C + 2 * BLOCK_R
+        base = (k_slice * T + rows)[:, None] * width
+        return (base + tl.arange(0, BLOCK_C)[None, :],
+                base + BLOCK_C + tl.arange(0, BLOCK_R)[None, :],
+                base + BLOCK_C + BLOCK_R + tl.arange(0, BLOCK_R)[None, :])
+
+    @triton.jit
+    def _mla_kv_kernel(x_ptr, w_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr, kr_ptr,
+                       partials_ptr, T, HE, K_SLICE, HCKV, DR, stride_xt, stride_xk, stride_wk,
+                       stride_wn, eps, block_size, slot_count, SLICED: tl.constexpr,
+                       NZ: tl.constexpr, COL0: tl.constexpr, UPCAST: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Per block of tokens and slice ``program_id(1)`` of He (``K_SLICE`` long): the
+        kv projection in float32, never stored in the input dtype. Unsliced, the RMSNorm,
+        RoPE and cache scatter follow in the same program; sliced, the slice's sums go to
+        the partials for `_mla_kv_merge_kernel`."""
+        k_slice = tl.program_id(1)
+        k_first = k_slice * K_SLICE
+        k_end = tl.minimum(HE, k_first + K_SLICE)
+        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+            rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            row_mask = rows < T
+            acc_c, acc_p, acc_q = _kv_products(
+                x_ptr, w_ptr, rows, row_mask, k_first, k_end, HCKV, DR, stride_xt, stride_xk,
+                stride_wk, stride_wn, UPCAST, PRECISION, BLOCK_T, BLOCK_K, BLOCK_C, BLOCK_R)
+            if SLICED:
+                at_c, at_p, at_q = _partial_offsets(k_slice, rows, T, BLOCK_C, BLOCK_R)
+                tl.store(partials_ptr + at_c, acc_c, mask=row_mask[:, None])
+                tl.store(partials_ptr + at_p, acc_p, mask=row_mask[:, None])
+                tl.store(partials_ptr + at_q, acc_q, mask=row_mask[:, None])
+            else:
+                _kv_write_rows(acc_c, acc_p, acc_q, rows, row_mask, gamma_ptr, cos_ptr,
+                               sin_ptr, index_ptr, kv_ptr, kr_ptr, HCKV, DR, eps, block_size,
+                               slot_count, NZ, COL0, BLOCK_C, BLOCK_R)
+
+    @triton.jit
+    def _mla_kv_merge_kernel(partials_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr,
+                             kr_ptr, T, HCKV, DR, eps, block_size, slot_count, slices,
+                             NZ: tl.constexpr, COL0: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Per block of tokens (a few rows: no dot here, and a decode step has few
+        tokens to spread over the cores): the slices' partial sums added in slice order
+        (deterministic), then the RMSNorm, RoPE and cache scatter."""
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
             rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
             row_mask = rows < T
             acc_c = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             acc_p = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
             acc_q = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-            for start in range(0, HE, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                k_mask = ks < HE
-                x = dot_operand(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
-                                row_mask[:, None] & k_mask[None, :], UPCAST)
-                w_rows = w_ptr + ks[:, None] * stride_wk
-                w_c = dot_operand(w_rows + latent[None, :] * stride_wn,
-                                  k_mask[:, None] & (latent < HCKV)[None, :], UPCAST)
-                rope_mask = k_mask[:, None] & (rope < DR)[None, :]
-                w_p = dot_operand(w_rows + (HCKV + source)[None, :] * stride_wn, rope_mask,
-                                  UPCAST)
-                w_q = dot_operand(w_rows + (HCKV + partner)[None, :] * stride_wn, rope_mask,
-                                  UPCAST)
-                acc_c = tl.dot(x, w_c, acc_c, input_precision=PRECISION)
-                acc_p = tl.dot(x, w_p, acc_p, input_precision=PRECISION)
-                acc_q = tl.dot(x, w_q, acc_q, input_precision=PRECISION)
-            rstd = 1.0 / tl.sqrt(tl.sum(acc_c * acc_c, 1) / HCKV + eps)
-            gamma = widen(tl.load(gamma_ptr + latent, mask=latent < HCKV, other=0.0))
-            ckv = acc_c * rstd[:, None] * gamma[None, :]
-            table = rows[:, None] * DR + rope[None, :]
-            table_mask = row_mask[:, None] & (rope < DR)[None, :]
-            cos = widen(tl.load(cos_ptr + table, mask=table_mask, other=0.0))
-            sin = widen(tl.load(sin_ptr + table, mask=table_mask, other=0.0))
-            kr = acc_p * cos + sign[None, :] * acc_q * sin
-            slots = tl.load(index_ptr + rows, mask=row_mask, other=-1)  # integer index
-            slots = slots.to(tl.int64)
-            keep = (slots >= 0) & (slots < slot_count) & row_mask
-            slots = tl.where(keep, slots, 0)
-            kv_offsets = _cache_offsets(slots, latent, HCKV, block_size, NZ, COL0)
-            tl.store(kv_ptr + kv_offsets, rounded_for(ckv, kv_ptr),
-                     mask=keep[:, None] & (latent < HCKV)[None, :])
-            kr_offsets = _cache_offsets(slots, rope, DR, block_size, NZ, COL0)
-            tl.store(kr_ptr + kr_offsets, rounded_for(kr, kr_ptr),
-                     mask=keep[:, None] & (rope < DR)[None, :])
+            for k_slice in range(slices):
+                at_c, at_p, at_q = _partial_offsets(k_slice, rows, T, BLOCK_C, BLOCK_R)
+                acc_c += tl.load(partials_ptr + at_c, mask=row_mask[:, None], other=0.0)
+                acc_p += tl.load(partials_ptr + at_p, mask=row_mask[:, None], other=0.0)
+                acc_q += tl.load(partials_ptr + at_q, mask=row_mask[:, None], other=0.0)
+            _kv_write_rows(acc_c, acc_p, acc_q, rows, row_mask, gamma_ptr, cos_ptr, sin_ptr,
+                           index_ptr, kv_ptr, kr_ptr, HCKV, DR, eps, block_size, slot_count,
+                           NZ, COL0, BLOCK_C, BLOCK_R)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,16 +720,31 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     rows_cos = cos.reshape(t, dr).contiguous()
     rows_sin = sin.reshape(t, dr).contiguous()
     tiling = plan.tiling
-    col0 = _col0(kv_cache)
+    blocks = tiling.blocks
+    slices = plan.grid[1]
+    he = x.shape[1]
+    k_per_slice = split_steps(cdiv(he, blocks["BLOCK_K"]), slices)[0] * blocks["BLOCK_K"]
+    rows_out = (gamma_ckv.contiguous(), rows_cos, rows_sin, cache_index.reshape(-1).contiguous(),
+                kv_cache, kr_cache)
+    # Slices only while token blocks leave cores idle (T below cores x BLOCK_T): the
+    # partials' offsets stay in int32.
+    partials = workspace.view(torch.float32) if slices > 1 else x
+    common = {"NZ": plan.attrs["cache_mode"] == "PA_NZ", "COL0": _col0(kv_cache),
+              "BLOCK_C": blocks["BLOCK_C"], "BLOCK_R": blocks["BLOCK_R"]}
+    row_args = (hckv, dr, plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1],
+                _slot_count(kv_cache))
     _mla_kv_kernel[plan.grid](
-        x, w_dkv_kr, gamma_ckv.contiguous(), rows_cos, rows_sin,
-        cache_index.reshape(-1).contiguous(), kv_cache,
-        kr_cache, t, x.shape[1], hckv, dr, *x.stride(), *w_dkv_kr.stride(),
-        plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1], _slot_count(kv_cache),
-        NZ=plan.attrs["cache_mode"] == "PA_NZ", COL0=col0,
+        x, w_dkv_kr, *rows_out, partials, t, he, k_per_slice, hckv, dr, *x.stride(),
+        *w_dkv_kr.stride(), *row_args[2:], SLICED=slices > 1,
         UPCAST=backends.interpreter_enabled(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiling.blocks,
-        **launch_options(tiling))
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_T=blocks["BLOCK_T"], BLOCK_K=blocks["BLOCK_K"], **common, **launch_options(tiling))
+    if slices > 1:
+        warps = gpu_warps(MERGE_ROWS * (blocks["BLOCK_C"] + 2 * blocks["BLOCK_R"]),
+                          plan.hardware)
+        _mla_kv_merge_kernel[(min(t, MAX_PROGRAMS),)](
+            partials, *rows_out, t, *row_args, slices, BLOCK_T=MERGE_ROWS, **common,
+            **({} if warps is None else {"num_warps": warps}))
 
 
 register_op(MLA_PROLOG)
