@@ -160,6 +160,38 @@ def test_k_slices_sum_to_the_golden(a_shape, b_shape, dtype, splits, monkeypatch
     assert_golden(MATMUL, Case("k_slices", (a, b)), outs[0])
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("layout", ["transposed", "batch_in_the_middle", "unmergeable_batch"])
+def test_strided_out_is_written_through_its_strides(layout, splits, monkeypatch):
+    """``out=`` may be a view of another layout (MlaProlog writes its absorbed queries
+    into the (T, N, Hckv) output as an (N, T, Hckv) view): the Triton kernels, the K-slice
+    sum included, write it through its strides; batch dims whose strides do not merge
+    go through a buffer copied back. Outputs start as NaN: every element must be
+    written, with the golden's values."""
+    from opforge.ops import matmul
+
+    monkeypatch.setattr(matmul, "work_splits", lambda *args, **kwargs: splits)
+    if layout == "transposed":
+        a, b = _x(13, 300), _x(300, 9, seed=1)
+        out = torch.full((9, 13), torch.nan).t()
+    elif layout == "batch_in_the_middle":
+        a, b = _x(5, 13, 300), _x(300, 9, seed=1)
+        out = torch.full((13, 5, 9), torch.nan).transpose(0, 1)
+    else:
+        a, b = _x(2, 3, 13, 300), _x(300, 9, seed=1)
+        out = torch.full((3, 2, 13, 9), torch.nan).transpose(0, 1)
+    assert not out.is_contiguous()
+    opforge.clear_caches()
+    try:
+        with opforge.use_backend("triton"):
+            plan = opforge.plan(MATMUL, a, b)
+            result = plan.run(a, b, out=out)
+    finally:
+        opforge.clear_caches()
+    assert result is out and plan.grid[2] == min(splits, 3)
+    assert_golden(MATMUL, Case(layout, (a, b)), out)
+
+
 def test_skinny_products_on_a_gpu_profile_split_k():
     """A decode step's down-projection (16 tokens, K 7168, N 1536) has 12 output tiles
     for an H200's 132 cores: the grid cuts K into slices for up to two programs a core

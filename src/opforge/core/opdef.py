@@ -372,6 +372,10 @@ class OpDef:
         precision: the standard `opforge verify` judges it by, its torch peer, its sweep
             cases and known limitations (`PrecisionSpec`).
         bench: how ``opforge bench`` sweeps it (`BenchSpec`); ``None``: not benchmarked.
+        strided_out: the launchers write outputs through their strides, so
+            ``Plan.run(out=)`` hands them a non-contiguous ``out`` as it is (a transposed
+            view filled without a copy); otherwise the plan gives them a contiguous buffer
+            and copies it into ``out``.
 
     Attached by decorators in the operator module: `reference`, `launcher`, `declines`,
     `autograd`.
@@ -396,6 +400,7 @@ class OpDef:
     error_scale: Callable[..., torch.Tensor] = magnitude_scale
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     bench: BenchSpec | None = None
+    strided_out: bool = False
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

@@ -203,8 +203,11 @@ class Plan:
                           expected=len(self.outputs), got=len(given))
         for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
             _check_against(tensor, spec, self.op.name, self.op.outputs[index].name)
-        # Kernels write contiguous outputs; a strided `out` is filled through a copy.
-        targets = [t if t.is_contiguous() else allocate(s) for t, s in zip(given, self.outputs)]
+        # Kernels write contiguous outputs, unless the operator says its launchers honour
+        # strides; else a strided `out` is filled through a copy.
+        strided = self.op.strided_out
+        targets = [t if strided or t.is_contiguous() else allocate(s)
+                   for t, s in zip(given, self.outputs)]
         return targets, given
 
     def run(self, *tensors: torch.Tensor | None,

@@ -264,7 +264,8 @@ MATMUL = OpDef(
             "float32 accumulation overflows alike.", case="large_*", failures="*NaN/Inf*"),
     )),
     bench=BenchSpec(shapes=((2048,), (4096,), (8192,)), cpu_shapes=((256,), (512,), (1024,)),
-                    case=_bench_case, metric="TFLOP/s"))
+                    case=_bench_case, metric="TFLOP/s"),
+    strided_out=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,12 +286,13 @@ if triton is not None:
 
     @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_SLICE, stride_ab, stride_am, stride_ak,
-                       stride_bb, stride_bk, stride_bn, stride_cs, UPCAST: tl.constexpr,
-                       PRECISION: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       stride_bb, stride_bk, stride_bn, stride_cs, stride_cb, stride_cm,
+                       stride_cn, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       WIDE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Output tiles of batch ``program_id(1)`` over K slice ``program_id(2)`` (``K_SLICE``
-        of K; all of it unsplit), into ``c_ptr``: the output, or the float32 partials of
-        the slices ``stride_cs`` apart."""
+        of K; all of it unsplit), into ``c_ptr`` through its strides: the output, or the
+        float32 partials of the slices ``stride_cs`` apart."""
         batch = tl.program_id(1)
         k_slice = tl.program_id(2)
         if WIDE:
@@ -298,7 +300,7 @@ if triton is not None:
             k_slice = k_slice.to(tl.int64)
         a_ptr += batch * stride_ab
         b_ptr += batch * stride_bb
-        c_ptr += batch * M * N + k_slice * stride_cs
+        c_ptr += batch * stride_cb + k_slice * stride_cs
         k_first = k_slice * K_SLICE
         k_end = tl.minimum(K, k_first + K_SLICE)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -324,29 +326,34 @@ if triton is not None:
                                 (ks < k_end)[:, None] & (cols < N)[None, :], UPCAST)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
-            tl.store(c_ptr + rows[:, None] * N + cols[None, :], rounded_for(acc, c_ptr),
-                     mask=mask)
+            at = rows[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptr + at, rounded_for(acc, c_ptr), mask=mask)
 
     @triton.jit
-    def _sum_slices_kernel(partials_ptr, out_ptr, total, slices, WIDE: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        """out = the float32 sum of the K slices' partials (``total`` apart), in slice
-        order (deterministic), rounded once to the output dtype."""
-        slice_stride = total
+    def _sum_slices_kernel(partials_ptr, out_ptr, M, N, slices, stride_ps, stride_ob,
+                           stride_om, stride_on, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+        """out[batch ``program_id(1)``] = the float32 sum of the K slices' partials
+        (contiguous ``(slices, batch, M, N)``, ``stride_ps`` apart), in slice order
+        (deterministic), rounded once to the output dtype, written through its strides."""
+        batch = tl.program_id(1)
         if WIDE:
-            slice_stride = slice_stride.to(tl.int64)
-        for block in range(tl.program_id(0), tl.cdiv(total, BLOCK), tl.num_programs(0)):
+            batch = batch.to(tl.int64)
+            stride_ps = stride_ps.to(tl.int64)
+        partials_ptr += batch * M * N
+        out_ptr += batch * stride_ob
+        for block in range(tl.program_id(0), tl.cdiv(M * N, BLOCK), tl.num_programs(0)):
             if WIDE:
                 first = block.to(tl.int64) * BLOCK
             else:
                 first = block * BLOCK
             offsets = first + tl.arange(0, BLOCK)
-            mask = offsets < total
+            mask = offsets < M * N
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for k_slice in range(slices):
-                acc += tl.load(partials_ptr + k_slice * slice_stride + offsets, mask=mask,
+                acc += tl.load(partials_ptr + k_slice * stride_ps + offsets, mask=mask,
                                other=0.0)
-            tl.store(out_ptr + offsets, rounded_for(acc, out_ptr), mask=mask)
+            at = (offsets // N) * stride_om + (offsets % N) * stride_on
+            tl.store(out_ptr + at, rounded_for(acc, out_ptr), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,13 +371,23 @@ def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
             b2.expand(*batch, k, n).reshape(count, k, n))
 
 
+def _batched_out(out: torch.Tensor, count: int, m: int, n: int) -> tuple[torch.Tensor, bool]:
+    """(``out`` as ``(batch, M, N)``, whether it must be copied back): a view when its
+    strides allow (any layout of a 3-D output), else a contiguous buffer."""
+    try:
+        return out.view(count, m, n), False
+    except RuntimeError:  # batch dims whose strides do not merge
+        return torch.empty((count, m, n), dtype=out.dtype, device=out.device), True
+
+
 @MATMUL.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """One program per output tile (persistently), ``program_id(1)`` the batch index,
     ``program_id(2)`` the K slice; batches past the grid limit are launched in chunks. With
     K slices, the products write float32 partials to the workspace and a second kernel
-    sums them into the output."""
+    sums them into the output. The output is written through its strides (``out=`` may
+    be a transposed view)."""
     out = outputs[0]
     if inputs[0].ndim == 2 and inputs[1].ndim == 2:
         # No batch: the operands as they are, with a batch stride of 0 (no views to build:
@@ -378,19 +395,22 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         a, b = inputs[0], inputs[1]
         count, (m, k), n = 1, a.shape, b.shape[1]
         strides = (0, *a.stride(), 0, *b.stride())
+        target, copy_back = out, False
+        out_strides = (0, *out.stride())
     else:
         a, b = _batched(inputs[0], inputs[1])
         count, m, k = a.shape
         n = b.shape[-1]
-        out = out.view(count, m, n)
         strides = (*a.stride(), *b.stride())
+        target, copy_back = _batched_out(out, count, m, n)
+        out_strides = target.stride()
     if k == 0:
         out.zero_()
         return
     slices = plan.grid[2]
     block_k = plan.tiling.blocks["BLOCK_K"]
     k_per_slice = split_steps(cdiv(k, block_k), slices)[0] * block_k
-    wide = wide_offsets(a, b, out) or slices * out.numel() > INT32_LIMIT
+    wide = wide_offsets(a, b, target) or slices * target.numel() > INT32_LIMIT
     options = {"UPCAST": backends.interpreter_enabled(),
                "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
                else "ieee", "WIDE": wide, "GROUP": GROUP_M,
@@ -398,20 +418,23 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if slices > 1:
         # Slices are chosen only while the tiles of all batches leave cores idle, so the
         # batch fits one launch.
-        total = out.numel()
+        total = count * m * n
         partials = workspace.view(torch.float32)[: slices * total]
-        _matmul_kernel[(plan.grid[0], count, slices)](a, b, partials, m, n, k, k_per_slice,
-                                                      *strides, total, **options)
-        _sum_slices_kernel[(persistent_grid(cdiv(total, SUM_BLOCK), plan.hardware),)](
-            partials, out, total, slices, WIDE=wide, BLOCK=SUM_BLOCK)
-        return
-    if count <= MAX_PROGRAMS:
-        _matmul_kernel[(plan.grid[0], count, 1)](a, b, out, m, n, k, k, *strides, 0, **options)
-        return
-    for start in range(0, count, MAX_PROGRAMS):
-        chunk = slice(start, min(count, start + MAX_PROGRAMS))
-        _matmul_kernel[(plan.grid[0], chunk.stop - start, 1)](
-            a[chunk], b[chunk], out[chunk], m, n, k, k, *strides, 0, **options)
+        _matmul_kernel[(plan.grid[0], count, slices)](
+            a, b, partials, m, n, k, k_per_slice, *strides, total, m * n, n, 1, **options)
+        _sum_slices_kernel[(persistent_grid(cdiv(m * n, SUM_BLOCK), plan.hardware), count)](
+            partials, target, m, n, slices, total, *out_strides, WIDE=wide, BLOCK=SUM_BLOCK)
+    elif count <= MAX_PROGRAMS:
+        _matmul_kernel[(plan.grid[0], count, 1)](a, b, target, m, n, k, k, *strides, 0,
+                                                 *out_strides, **options)
+    else:
+        for start in range(0, count, MAX_PROGRAMS):
+            chunk = slice(start, min(count, start + MAX_PROGRAMS))
+            _matmul_kernel[(plan.grid[0], chunk.stop - start, 1)](
+                a[chunk], b[chunk], target[chunk], m, n, k, k, *strides, 0, *out_strides,
+                **options)
+    if copy_back:
+        out.copy_(target.view(out.shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -711,9 +711,10 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     cq, _ = plan.run_step("norm_cq", "rms_norm", plan.run_step("down", "matmul", x, w_dq),
                           gamma_cq, eps=plan.attrs["rmsnorm_epsilon_cq"])
     qq = plan.run_step("up", "matmul", cq, w_uq_qr).view(t, n, d + dr)
-    query = outputs[0].view(t, n, hckv)
-    query.transpose(0, 1).copy_(plan.run_step("absorb", "matmul",
-                                              qq[..., :d].transpose(0, 1), w_uk))
+    # The absorbed product per head, (N, T, Hckv), written straight into the (T, N, Hckv)
+    # output through a transposed view: no copy of the largest intermediate.
+    plan.run_step("absorb", "matmul", qq[..., :d].transpose(0, 1), w_uk,
+                  out=outputs[0].view(t, n, hckv).transpose(0, 1))
     tables = (cos.reshape(t, 1, dr), sin.reshape(t, 1, dr))
     plan.run_step("rope_q", "rope", qq[..., d:], *tables, out=outputs[1].view(t, n, dr),
                   mode="interleave_half")
