@@ -138,7 +138,7 @@ def compile_rows(target_text: str, head_dims: Sequence[int]) -> list[dict[str, o
             for config in configs:
                 attention._tiles = (lambda *a, config=config, d=d, **kw: [forced(config, d)])
                 with aot.recorded_launches(hardware) as recorder, mock.patch.object(
-                        attention, "_descriptors_usable", lambda *tensors: True):
+                        attention, "descriptors_usable", lambda *tensors: True):
                     if kind == "forward":
                         opforge.attention(q, q, q)
                     else:

@@ -1,5 +1,6 @@
-"""Matmul block-size sweep on a GPU: which (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the
-tiling of `opforge.ops.matmul` should pick, against cuBLAS on the same shapes.
+"""Matmul block-size sweep on a GPU: which variant (pointer loads or tensor descriptors) and
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the tiling of `opforge.ops.matmul` should pick,
+against cuBLAS on the same shapes.
 
 Shapes: bf16 squares (4096, 8192) and MlaProlog's DeepSeek-V3 products (the query
 down-projection at T = 16 and 1024 tokens, the up-projection, the per-head absorption of
@@ -40,16 +41,23 @@ from attention_tuning import (
 )
 from opforge import aot
 from opforge.core.opdef import Tiling
+from opforge.ops import matmul
 from opforge.ops.matmul import MATMUL
 from opforge.profiler.bench import time_call
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the default of 2026-11-30 first (its warps
-# from the generic rule, 16 for a 128 x 128 tile), then the usual Hopper shapes (two
-# warpgroups on 128 x 256), fewer warps, shorter K blocks, narrow tiles for skinny M.
-CONFIGS = ((128, 128, 64, 16, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-           (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4),
-           (128, 128, 32, 4, 4), (64, 256, 32, 4, 4), (64, 128, 64, 4, 4),
-           (16, 128, 128, 4, 4), (16, 256, 64, 4, 4))
+# (variant, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the default of 2026-11-30 first (its
+# warps from the generic rule, 16 for a 128 x 128 tile), then the usual Hopper shapes (two
+# warpgroups on 128 x 256), fewer warps, shorter K blocks, narrow tiles for skinny M; then
+# the best-known shapes again with operand blocks by tensor descriptor (TMA), with and
+# without a warp-specialized K loop.
+POINTER_SHAPES = ((128, 128, 64, 16, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                  (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4),
+                  (128, 128, 32, 4, 4), (64, 256, 32, 4, 4), (64, 128, 64, 4, 4),
+                  (16, 128, 128, 4, 4), (16, 256, 64, 4, 4))
+DESCRIPTOR_SHAPES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (16, 128, 128, 4, 4))
+CONFIGS = (*(("tiles", *shape) for shape in POINTER_SHAPES),
+           *((variant, *shape) for variant in ("tiles_tma", "tiles_tma_ws")
+             for shape in DESCRIPTOR_SHAPES))
 # (label, a shape, b shape).
 SHAPES = (("square 4096", (4096, 4096), (4096, 4096)),
           ("square 8192", (8192, 8192), (8192, 8192)),
@@ -60,17 +68,18 @@ SHAPES = (("square 4096", (4096, 4096), (4096, 4096)),
           ("MLA up T16", (16, 1536), (1536, 24576)))
 
 
-def forced(config: Sequence[int]) -> Tiling:
+def forced(config: Sequence[object]) -> Tiling:
     """The tiling of one sweep configuration."""
-    block_m, block_n, block_k, warps, stages = config
-    return Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, 0,
+    variant, block_m, block_n, block_k, warps, stages = config
+    return Tiling(variant, {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}, 0,
                   double_buffered=False, options={"warps": warps, "stages": stages})
 
 
-def label(config: Sequence[int]) -> str:
-    """``M128 N256 K64 w8 s3``."""
-    block_m, block_n, block_k, warps, stages = config
-    return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}"
+def label(config: Sequence[object]) -> str:
+    """``M128 N256 K64 w8 s3`` (``+ tma``, ``+ tma ws`` for the descriptor variants)."""
+    variant, block_m, block_n, block_k, warps, stages = config
+    suffix = {"tiles": "", "tiles_tma": " tma", "tiles_tma_ws": " tma ws"}[variant]
+    return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}{suffix}"
 
 
 def flops(a_shape: Sequence[int], b_shape: Sequence[int]) -> float:
@@ -81,16 +90,21 @@ def flops(a_shape: Sequence[int], b_shape: Sequence[int]) -> float:
 
 def compile_rows(target_text: str) -> list[dict[str, object]]:
     """Every configuration compiled for a GPU target without the GPU: registers and spills
-    of the bf16 kernel (the 2-D and the batched launch share it)."""
+    of the bf16 kernels of a 256 x 256 x 256 product (the 2-D and the batched launch share
+    them; on an H200 profile its 4 tiles cut K into slices where it has 8 blocks, so the
+    K-slice sum shows too)."""
     target, hardware = aot.parse_target(target_text)
     a = torch.randn(256, 256, dtype=torch.bfloat16)
     rows = []
     for config in CONFIGS:
         with mock.patch.object(MATMUL, "tiling", lambda *args, config=config: [forced(config)]
-                               ), aot.recorded_launches(hardware) as recorder:
+                               ), mock.patch.object(matmul, "descriptors_usable",
+                                                    lambda *tensors: True), \
+                aot.recorded_launches(hardware) as recorder:
             opforge.matmul(a, a)
         for result in aot.compile_variants(recorder.variants.values(), target):
-            rows.append({"config": label(config), **compiled_columns(result)})
+            rows.append({"config": label(config), "kernel": result.variant.name,
+                         **compiled_columns(result)})
             print(rows[-1], flush=True)
     return rows
 
@@ -144,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compile_only:
         write_compile_report(args.out, "matmul_compile",
                              f"Matmul configurations compiled for {args.compile_only} (bf16)",
-                             {"config": "config"}, compile_rows(args.compile_only))
+                             {"config": "config", "kernel": "kernel"},
+                             compile_rows(args.compile_only))
         return 0
     device = torch.device(args.device)
     rows = timed_rows(device, args.scale)

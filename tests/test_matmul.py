@@ -8,7 +8,7 @@ import torch
 
 import opforge
 import opforge.nn
-from opforge.core.opdef import Case
+from opforge.core.opdef import Case, Tiling
 from opforge.profiler.session import kernel_costs
 
 from .conftest import DEVICE, assert_golden
@@ -190,6 +190,48 @@ def test_strided_out_is_written_through_its_strides(layout, splits, monkeypatch)
         opforge.clear_caches()
     assert result is out and plan.grid[2] == min(splits, 3)
     assert_golden(MATMUL, Case(layout, (a, b)), out)
+
+
+@pytest.mark.parametrize("variant", ["tiles_tma", "tiles_tma_ws"])
+@pytest.mark.parametrize("a_shape, b_shape, dtype, splits, by_descriptor", [
+    ((33, 200), (200, 72), torch.bfloat16, 1, True),
+    ((17, 100), (100, 20), torch.float32, 1, True),
+    ((3, 9, 200), (200, 40), torch.bfloat16, 3, True),  # K slices end inside K
+    ((9, 70), (70, 33), torch.bfloat16, 1, False),  # 140-byte rows: not TMA-aligned
+], ids=str)
+def test_descriptor_variants_match_the_golden(variant, a_shape, b_shape, dtype, splits,
+                                              by_descriptor, monkeypatch):
+    """The variants that read operand blocks by tensor descriptor (with and without a
+    warp-specialized K loop), forced on the Triton kernels with small blocks: the
+    descriptors' bounds replace the masks, so rows past M, columns past N and K past its
+    end must read 0, and a K slice must stop at its own end. Operands whose rows
+    descriptors cannot address take the pointer kernel."""
+    from opforge.ops import matmul
+
+    launches = []
+    kernel = matmul._matmul_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["DESCRIPTORS"], kwargs["WARP_SPECIALIZE"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    blocks = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+    monkeypatch.setattr(MATMUL, "tiling", lambda *args: [Tiling(variant, blocks, 0,
+                                                                double_buffered=False)])
+    monkeypatch.setattr(matmul, "work_splits", lambda *args, **kwargs: splits)
+    monkeypatch.setattr(matmul, "_matmul_kernel", Recorded())
+    a, b = _x(*a_shape, dtype=dtype), _x(*b_shape, dtype=dtype, seed=1)
+    opforge.clear_caches()
+    try:
+        with opforge.use_backend("triton"):
+            out = opforge.matmul(a, b)
+    finally:
+        opforge.clear_caches()
+    assert launches == [(by_descriptor, by_descriptor and variant.endswith("ws"))]
+    assert_golden(MATMUL, Case(variant, (a, b)), out)
 
 
 def test_skinny_products_on_a_gpu_profile_split_k():

@@ -78,6 +78,7 @@ from opforge.core.tiling import (
     work_splits,
 )
 from opforge.library import register_op
+from opforge.ops._descriptors import descriptors_usable, use_scratch_allocator
 from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
 from opforge.precision.cases import LONG_ROW, generate
@@ -1195,39 +1196,6 @@ FORWARD_VARIANTS = {"flash": (False, False), "flash_tma": (True, False),
                     "flash_tma_ws": (True, True)}
 
 
-def _descriptors_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the streamed tensors (keys and values; in the backward also queries and
-    output gradients) can be read by tensor descriptor: a Triton that has on-device
-    descriptors, a Hopper-or-newer GPU (or the interpreter), contiguous rows, and every
-    head's rows starting on 16 bytes (TMA's alignment rule)."""
-    if triton is None or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    device = tensors[0].device
-    if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9 or not hasattr(
-                triton, "set_allocator"):
-            return False
-    elif not backends.interpreter_enabled():
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-               for t in tensors)
-
-
-_scratch_allocator_set = False
-
-
-def _use_scratch_allocator() -> None:
-    """On-device descriptors live in global scratch memory that Triton asks its allocator
-    for; set one (torch's caching allocator, replacing any set before) the first time a
-    descriptor kernel runs."""
-    global _scratch_allocator_set
-    if not _scratch_allocator_set:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(
-            size, dtype=torch.int8, device="cuda"))
-        _scratch_allocator_set = True
-
-
 @ATTENTION.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
@@ -1246,10 +1214,10 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         return
     options = _launch_options(plan, (q, k, v, out), "BLOCK_M", "BLOCK_N")
     descriptors, warp_specialize = FORWARD_VARIANTS[plan.tiling.variant]
-    if descriptors and not _descriptors_usable(k, v):
+    if descriptors and not descriptors_usable(k, v):
         descriptors = warp_specialize = False
-    if descriptors and k.device.type == "cuda":
-        _use_scratch_allocator()
+    if descriptors:
+        use_scratch_allocator(k.device)
     keys_per_split, splits = _key_slices(plan.tiling, sk)
     rows = b * h * sq
     targets = (out, lse)
@@ -1291,10 +1259,9 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
     # The streamed blocks (keys and values for dQ, queries and dout for dK/dV) by tensor
     # descriptor when the tiling's variant asks and the tensors allow.
-    descriptors = FORWARD_VARIANTS[plan.tiling.variant][0] and _descriptors_usable(q, k, v,
-                                                                                   dout)
-    if descriptors and q.device.type == "cuda":
-        _use_scratch_allocator()
+    descriptors = FORWARD_VARIANTS[plan.tiling.variant][0] and descriptors_usable(q, k, v, dout)
+    if descriptors:
+        use_scratch_allocator(q.device)
     query_side = _launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
     key_side = _launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
     query_side["DESCRIPTORS"] = key_side["DESCRIPTORS"] = descriptors

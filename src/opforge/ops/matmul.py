@@ -11,7 +11,11 @@ blocks for skinny problems, the on-chip budget for the pipelined stages). A deco
 product (a few rows against a wide weight) has too few output tiles to keep a GPU's cores
 streaming the weight: K is then cut into slices, each a program writing float32 partial
 sums to the workspace, and a second kernel adds them in slice order (the same result on
-every run) and rounds once to the output dtype.
+every run) and rounds once to the output dtype. The variants ``tiles_tma`` and
+``tiles_tma_ws`` read the operand blocks by on-device tensor descriptor (TMA on Hopper or
+newer; operands with unit-stride, 16-byte-aligned rows, else the pointer kernel), the
+second with a warp-specialized K loop; `benchmarks/matmul_tuning.py` measures them, the
+tiling does not pick them yet.
 
 Under Triton's interpreter the operands are widened to float32 before ``tl.dot`` (it has
 no bf16 dot); compiled, bf16/fp16 operands go to the tensor cores as they are.
@@ -59,6 +63,7 @@ from opforge.core.tiling import (
     work_splits,
 )
 from opforge.library import register_op
+from opforge.ops._descriptors import descriptors_usable, use_scratch_allocator
 from opforge.ops._elementwise import random_input
 from opforge.ops.reduce_sum import sum_to_shape
 from opforge.precision.cases import generate
@@ -67,7 +72,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import dot_operand, rounded_for
+    from opforge.ops._math import dot_operand, rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -285,14 +290,44 @@ def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
 if triton is not None:
 
     @triton.jit
+    def _k_step(acc, a_src, b_src, first_m, first_n, start, k_end, M, N, stride_am,
+                stride_ak, stride_bk, stride_bn, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``acc`` + the product of the ``BLOCK_K`` columns of a and rows of b from
+        ``start``: by tensor descriptor (TMA copies; the descriptors' bounds zero the rows
+        past M, the columns past N and the K past its end, and K slices start on whole
+        blocks, so no block reaches into the next slice) or by masked pointer loads."""
+        if DESCRIPTORS:
+            a = a_src.load([first_m, start])  # dot operand, kept in its dtype
+            b = b_src.load([start, first_n])  # dot operand, kept in its dtype
+            if UPCAST:
+                a = widen(a)
+                b = widen(b)
+        else:
+            rows = first_m + tl.arange(0, BLOCK_M)
+            cols = first_n + tl.arange(0, BLOCK_N)
+            ks = start + tl.arange(0, BLOCK_K)
+            a = dot_operand(a_src + rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                            (rows < M)[:, None] & (ks < k_end)[None, :], UPCAST)
+            b = dot_operand(b_src + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                            (ks < k_end)[:, None] & (cols < N)[None, :], UPCAST)
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_SLICE, stride_ab, stride_am, stride_ak,
                        stride_bb, stride_bk, stride_bn, stride_cs, stride_cb, stride_cm,
                        stride_cn, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                       WIDE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                       WARP_SPECIALIZE: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Output tiles of batch ``program_id(1)`` over K slice ``program_id(2)`` (``K_SLICE``
         of K; all of it unsplit), into ``c_ptr`` through its strides: the output, or the
-        float32 partials of the slices ``stride_cs`` apart."""
+        float32 partials of the slices ``stride_cs`` apart. ``DESCRIPTORS``: operand
+        blocks by tensor descriptor (rows of unit stride, checked by the launcher);
+        ``WARP_SPECIALIZE`` asks Triton to split the K loop into producer (TMA copies) and
+        consumer warps (the keyword exists only in Triton versions that have it, so the
+        plain loop never names it)."""
         batch = tl.program_id(1)
         k_slice = tl.program_id(2)
         if WIDE:
@@ -301,30 +336,41 @@ if triton is not None:
         a_ptr += batch * stride_ab
         b_ptr += batch * stride_bb
         c_ptr += batch * stride_cb + k_slice * stride_cs
+        if DESCRIPTORS:
+            a_src = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                              block_shape=[BLOCK_M, BLOCK_K])
+            b_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                              block_shape=[BLOCK_K, BLOCK_N])
+        else:
+            a_src, b_src = a_ptr, b_ptr
         k_first = k_slice * K_SLICE
         k_end = tl.minimum(K, k_first + K_SLICE)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
             # Grouped order: GROUP rows of tiles share the b tiles they read.
-            group = tile // (GROUP * tiles_n)
-            first_m = group * GROUP
-            group_rows = tl.minimum(tiles_m - first_m, GROUP)
-            tile_m = first_m + (tile % (GROUP * tiles_n)) % group_rows
+            group_first = tile // (GROUP * tiles_n) * GROUP
+            group_rows = tl.minimum(tiles_m - group_first, GROUP)
+            tile_m = group_first + (tile % (GROUP * tiles_n)) % group_rows
             tile_n = (tile % (GROUP * tiles_n)) // group_rows
-            rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            first_m = tile_m * BLOCK_M
+            first_n = tile_n * BLOCK_N
             if WIDE:
-                rows = rows.to(tl.int64)
-                cols = cols.to(tl.int64)
+                first_m = first_m.to(tl.int64)
+                first_n = first_n.to(tl.int64)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(k_first, k_end, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                a = dot_operand(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                                (rows < M)[:, None] & (ks < k_end)[None, :], UPCAST)
-                b = dot_operand(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                                (ks < k_end)[:, None] & (cols < N)[None, :], UPCAST)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if WARP_SPECIALIZE:
+                for start in tl.range(k_first, k_end, BLOCK_K, warp_specialize=True):
+                    acc = _k_step(acc, a_src, b_src, first_m, first_n, start, k_end, M, N,
+                                  stride_am, stride_ak, stride_bk, stride_bn, UPCAST,
+                                  PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                for start in range(k_first, k_end, BLOCK_K):
+                    acc = _k_step(acc, a_src, b_src, first_m, first_n, start, k_end, M, N,
+                                  stride_am, stride_ak, stride_bk, stride_bn, UPCAST,
+                                  PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N, BLOCK_K)
+            rows = first_m + tl.arange(0, BLOCK_M)
+            cols = first_n + tl.arange(0, BLOCK_N)
             mask = (rows < M)[:, None] & (cols < N)[None, :]
             at = rows[:, None] * stride_cm + cols[None, :] * stride_cn
             tl.store(c_ptr + at, rounded_for(acc, c_ptr), mask=mask)
@@ -371,6 +417,11 @@ def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
             b2.expand(*batch, k, n).reshape(count, k, n))
 
 
+# Variants: (operand blocks by tensor descriptor, warp-specialized K loop). The tiling
+# chooses "tiles"; the descriptor variants are measured by benchmarks/matmul_tuning.py.
+VARIANTS = {"tiles": (False, False), "tiles_tma": (True, False), "tiles_tma_ws": (True, True)}
+
+
 def _batched_out(out: torch.Tensor, count: int, m: int, n: int) -> tuple[torch.Tensor, bool]:
     """(``out`` as ``(batch, M, N)``, whether it must be copied back): a view when its
     strides allow (any layout of a 3-D output), else a contiguous buffer."""
@@ -411,9 +462,16 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     block_k = plan.tiling.blocks["BLOCK_K"]
     k_per_slice = split_steps(cdiv(k, block_k), slices)[0] * block_k
     wide = wide_offsets(a, b, target) or slices * target.numel() > INT32_LIMIT
+    descriptors, warp_specialize = VARIANTS[plan.tiling.variant]
+    # Descriptor coordinates are int32: tensors past that take the pointer kernel.
+    if descriptors and (wide or not descriptors_usable(a, b)):
+        descriptors = warp_specialize = False
+    if descriptors:
+        use_scratch_allocator(a.device)
     options = {"UPCAST": backends.interpreter_enabled(),
                "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
-               else "ieee", "WIDE": wide, "GROUP": GROUP_M,
+               else "ieee", "WIDE": wide, "DESCRIPTORS": descriptors,
+               "WARP_SPECIALIZE": warp_specialize, "GROUP": GROUP_M,
                **plan.tiling.blocks, **launch_options(plan.tiling)}
     if slices > 1:
         # Slices are chosen only while the tiles of all batches leave cores idle, so the

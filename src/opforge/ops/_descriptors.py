@@ -1,0 +1,46 @@
+"""Tensor-descriptor (TMA) plumbing shared by the kernels that read blocks by on-device
+tensor descriptor: whether the tensors allow it, and the scratch allocator descriptors
+need on a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from opforge.core import backends
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+_scratch_allocator_set = False
+
+
+def descriptors_usable(*tensors: torch.Tensor) -> bool:
+    """Whether blocks of ``tensors`` can be read by tensor descriptor: a Triton that has
+    on-device descriptors, a Hopper-or-newer GPU (or the interpreter), unit stride in the
+    last dim, and a base and every other stride on 16 bytes (TMA's alignment rule)."""
+    if triton is None or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9 or not hasattr(
+                triton, "set_allocator"):
+            return False
+    elif not backends.interpreter_enabled():
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+               for t in tensors)
+
+
+def use_scratch_allocator(device: torch.device) -> None:
+    """On-device descriptors live in global scratch memory that Triton asks its allocator
+    for; on a GPU, set one (torch's caching allocator, replacing any set before) the first
+    time a descriptor kernel runs. The interpreter needs none."""
+    global _scratch_allocator_set
+    if device.type == "cuda" and not _scratch_allocator_set:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(
+            size, dtype=torch.int8, device="cuda"))
+        _scratch_allocator_set = True
