@@ -71,14 +71,25 @@ def test_scores_depend_only_on_relative_position(mode, backend):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("table_shape", ["seq", "batch_seq", "full"])
-def test_broadcast_tables_match_the_golden(mode, table_shape, backend):
-    x = _x(2, 3, 5, 8, dtype=torch.bfloat16)
-    cos, sin = _tables(torch.arange(5), 8, mode, torch.bfloat16)
-    if table_shape == "batch_seq":      # (B, 1, S, d): expanded over heads (a copy)
-        cos, sin = cos.expand(2, 1, 5, 8).clone(), sin.expand(2, 1, 5, 8).clone()
-    elif table_shape == "full":
-        cos, sin = cos.expand(x.shape).clone(), sin.expand(x.shape).clone()
+@pytest.mark.parametrize("layout, table_shape, copied", [
+    ("bhsd", (5, 8), False),            # repeated over batch and heads: a period
+    ("bhsd", (2, 1, 5, 8), True),       # a hole between table dims: expanded (a copy)
+    ("bhsd", (2, 3, 5, 8), False),      # x's own shape
+    ("bshd", (5, 1, 8), False),         # broadcast over heads: a step
+    ("bshd", (2, 5, 1, 8), False),      # per batch and position, broadcast over heads
+    ("bshd", (1, 5, 1, 8), False),      # a period and a step
+])
+def test_broadcast_tables_match_the_golden(mode, layout, table_shape, copied, backend):
+    """Position tables broadcast over batch or heads, in either layout: rows repeat (a
+    period) or one row serves several heads (a step) without a copy of the table; a
+    broadcast the kernel's row rule cannot express is expanded."""
+    from opforge.ops.rope import _tables as table_rows
+
+    x = _x(*((2, 3, 5, 8) if layout == "bhsd" else (2, 5, 3, 8)), dtype=torch.bfloat16)
+    # Arbitrary tables: the kernel must pick the right row, whatever it holds.
+    cos = _x(*table_shape, dtype=torch.bfloat16, seed=1)
+    sin = _x(*table_shape, dtype=torch.bfloat16, seed=2)
+    assert (table_rows(x, cos)[0].data_ptr() != cos.data_ptr()) == copied
     out = opforge.rope(x, cos, sin, mode)
     assert_golden(ROPE, Case("broadcast", (x, cos, sin), {"mode": mode}), out)
 

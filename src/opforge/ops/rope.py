@@ -343,7 +343,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, stride_x, stride_c, table_rows,
-                     MODE: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
+                     table_step, MODE: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         col_tiles = tl.cdiv(D, BLOCK_N)
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * col_tiles,
@@ -357,8 +357,9 @@ if triton is not None:
                 rows = rows.to(tl.int64)
             mask = (rows < M)[:, None] & col_mask[None, :]
             x_rows = x_ptr + rows[:, None] * stride_x
-            # cos/sin broadcast over leading dims: x row r uses table row r mod table_rows.
-            table = (rows % table_rows)[:, None] * stride_c
+            # cos/sin broadcast over leading dims: x row r uses table row
+            # (r // table_step) mod table_rows.
+            table = ((rows // table_step) % table_rows)[:, None] * stride_c
             first = widen(tl.load(x_rows + source[None, :], mask=mask, other=0.0)) \
                 * widen(tl.load(cos_ptr + table + cos_index[None, :], mask=mask, other=0.0))
             second = widen(tl.load(x_rows + partner[None, :], mask=mask, other=0.0)) \
@@ -372,19 +373,25 @@ if triton is not None:
 # Launcher
 
 
-def _tables(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(rows, d)`` view of a cos/sin table and its row period: when the table covers x's
-    trailing dims only, its rows repeat every ``table rows`` x rows and nothing is copied;
-    otherwise it is expanded to x's shape (a copy)."""
+def _tables(x: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(rows, d)`` view of a cos/sin table, its row period and its row step: x row ``r``
+    uses table row ``(r // step) % period``. That holds without a copy when the table's
+    leading dims (x's rank, ones prepended) are ones, then x's own dims, then ones: the
+    first ones repeat the table (period), the last ones broadcast each table row over
+    several x rows (step), as position tables of ``(S, 1, d)`` over heads of ``(B, S, H,
+    d)`` do. Any other broadcast is expanded to x's shape (a copy)."""
     d = x.shape[-1]
-    trailing = table.shape
-    while trailing and trailing[0] == 1 and len(trailing) > 1:
-        trailing = trailing[1:]
-    if tuple(x.shape[x.ndim - len(trailing):]) == tuple(trailing):
+    lead = tuple(x.shape[:-1])
+    padded = (1,) * len(lead) + tuple(table.shape[:-1])
+    own = padded[len(padded) - len(lead):]
+    first = next((i for i, size in enumerate(own) if size != 1), len(own))
+    last = max((i + 1 for i, size in enumerate(own) if size != 1), default=first)
+    if own[first:last] == lead[first:last]:
         flat = table.reshape(-1, d)
-        return (flat if flat.stride(-1) == 1 else flat.contiguous()), flat.shape[0]
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        return flat, flat.shape[0], math.prod(lead[last:])
     full = table.expand(x.shape).reshape(-1, d).contiguous()
-    return full, full.shape[0]
+    return full, full.shape[0], 1
 
 
 def _launch(plan: object, inputs: Sequence[torch.Tensor | None], out: torch.Tensor,
@@ -393,15 +400,15 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor | None], out: torch.Tens
     d = x.shape[-1]
     rows_x = x.reshape(-1, d)
     rows_x = rows_x if rows_x.stride(-1) == 1 else rows_x.contiguous()
-    cos_rows, period = _tables(x, cos)
-    sin_rows, _ = _tables(x, sin)
+    cos_rows, period, step = _tables(x, cos)
+    sin_rows, _, _ = _tables(x, sin)
     if sin_rows.stride(0) != cos_rows.stride(0):
         sin_rows = sin_rows.contiguous()
         cos_rows = cos_rows.contiguous()
     rows = rows_x.shape[0]
     reach = max((rows - 1) * rows_x.stride(0) + d, rows * d)
     _rope_kernel[plan.grid](rows_x, cos_rows, sin_rows, out.view(rows, d), rows, d,
-                            rows_x.stride(0), cos_rows.stride(0), max(period, 1),
+                            rows_x.stride(0), cos_rows.stride(0), max(period, 1), max(step, 1),
                             MODE=plan.attrs["mode"], BACKWARD=backward,
                             WIDE=reach > INT32_LIMIT, **plan.tiling.blocks,
                             **launch_options(plan.tiling))
