@@ -409,6 +409,8 @@ if triton is not None:
 def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both operands as ``(batch, rows, cols)`` over the broadcast batch: views with
     stride-0 batch dims where the layout allows, copies otherwise."""
+    if a.ndim == b.ndim == 3 and a.shape[0] == b.shape[0]:
+        return a, b  # one batch dim on both sides (per-head products): nothing to build
     a2 = a.unsqueeze(0) if a.ndim == 1 else a
     b2 = b.unsqueeze(-1) if b.ndim == 1 else b
     batch, m, k, n = _operands(tuple(a.shape), tuple(b.shape))
