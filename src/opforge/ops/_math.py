@@ -97,9 +97,19 @@ if triton is not None:
         return tl.exp(-0.5 * hi * hi) * tl.exp(shift - 0.5 * (x - hi) * (x + hi))
 
     @triton.jit
-    def _erfc_tail(ax):
+    def _exp_neg_half_square_to(x, shift, EXACT: tl.constexpr):
+        """exp(shift - x*x/2): with the rounding of x*x removed (`exp_neg_half_square`)
+        when ``EXACT``; else in one exp, whose relative error grows as x*x * 2^-24 (2e-6 at
+        the erfc underflow), far below a 16-bit result's rounding."""
+        if EXACT:
+            return exp_neg_half_square(x, shift)
+        else:
+            return tl.exp(shift - 0.5 * x * x)
+
+    @triton.jit
+    def _erfc_tail(ax, EXACT: tl.constexpr):
         """erfc(|x| / sqrt(2)) for |x| >= 0: Chebyshev fit with relative error < 1.2e-7
-        (Numerical Recipes' erfcc), exp(-z^2) through `exp_neg_half_square`."""
+        (Numerical Recipes' erfcc), exp(-z^2) through `_exp_neg_half_square_to`."""
         z = ax * INV_SQRT2
         t = 1.0 / (1.0 + 0.5 * z)
         p = 0.17087277
@@ -113,7 +123,7 @@ if triton is not None:
         p = p * t + 1.00002368
         p = p * t - 1.26551223
         safe = tl.minimum(ax, ERFC_UNDERFLOW_X)
-        value = t * exp_neg_half_square(safe, p)
+        value = t * _exp_neg_half_square_to(safe, p, EXACT)
         return tl.where(ax > ERFC_UNDERFLOW_X, 0.0, value)
 
     @triton.jit
@@ -134,19 +144,24 @@ if triton is not None:
         return z * p
 
     @triton.jit
-    def normal_cdf(x):
+    def normal_cdf(x, EXACT: tl.constexpr):
         """Phi(x) = (1 + erf(x / sqrt(2))) / 2 with float32 relative accuracy everywhere:
-        the left tail is erfc(|x|/sqrt(2)) / 2 directly, never 1 + erf (which cancels)."""
+        the left tail is erfc(|x|/sqrt(2)) / 2 directly, never 1 + erf (which cancels).
+        ``EXACT`` (float32 results): erf's series near 0 and the split exp of the tails;
+        else (16-bit results) the erfc fit everywhere with one exp: a few float32 ulps
+        near 0 and 2e-6 relative far out, where a 16-bit ulp is 1e-3 or more."""
         ax = tl.abs(x)
-        z = x * INV_SQRT2
-        series = 0.5 + 0.5 * _erf_series(tl.minimum(tl.maximum(z, -1.0), 1.0))
-        half_tail = 0.5 * _erfc_tail(ax)
+        half_tail = 0.5 * _erfc_tail(ax, EXACT)
         tail = tl.where(x < 0, half_tail, 1.0 - half_tail)
-        return tl.where(tl.abs(z) < ERF_SERIES_LIMIT, series, tail)
+        if EXACT:
+            z = x * INV_SQRT2
+            series = 0.5 + 0.5 * _erf_series(tl.minimum(tl.maximum(z, -1.0), 1.0))
+            tail = tl.where(tl.abs(z) < ERF_SERIES_LIMIT, series, tail)
+        return tail
 
     @triton.jit
-    def normal_pdf(x):
+    def normal_pdf(x, EXACT: tl.constexpr):
         """phi(x) = exp(-x^2/2) / sqrt(2 pi); exactly 0 beyond |x| = 15, where the split of
-        x (x * 4097) would overflow for huge |x|."""
+        x (x * 4097) would overflow for huge |x|. ``EXACT`` as in `normal_cdf`."""
         safe = tl.minimum(tl.maximum(x, -PDF_UNDERFLOW_X), PDF_UNDERFLOW_X)
-        return exp_neg_half_square(safe, 0.0) * INV_SQRT_2PI
+        return _exp_neg_half_square_to(safe, 0.0, EXACT) * INV_SQRT_2PI

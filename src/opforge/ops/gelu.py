@@ -5,7 +5,10 @@ without libdevice: ``Phi`` is erf's Taylor series near 0 and ``erfc`` (never ``1
 which cancels) in the tails, with ``exp(-x^2/2)`` split so that the rounding of ``x*x`` does
 not grow the error with x^2. The result is within a few float32 ulps of torch's float64 gelu
 everywhere, including the far left tail where a float32 ``1 + erf(x / sqrt(2))`` loses every
-digit. The tanh form is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
+digit. For 16-bit results the erfc fit serves the whole range with one exp (no series, no
+split): a few float32 ulps near 0 and 2e-6 relative far out, still a thousandth of a
+16-bit ulp, for about half the instructions (a GPU runs this form at its memory's pace,
+not its special-function units'). The tanh form is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
 ``0.5 x (1 + tanh(u))`` without tanh's overflow.
 
 ``gelu_backward(grad, x) = grad * d gelu(x)/dx``: ``Phi(x) + x phi(x)`` for the erf form,
@@ -198,7 +201,11 @@ if triton is not None:
 
     @triton.jit
     def _gelu_erf(x, unused, scalar):
-        return x * normal_cdf(x)
+        return x * normal_cdf(x, True)
+
+    @triton.jit
+    def _gelu_erf_16bit(x, unused, scalar):
+        return x * normal_cdf(x, False)
 
     @triton.jit
     def _gelu_tanh(x, unused, scalar):
@@ -207,7 +214,11 @@ if triton is not None:
 
     @triton.jit
     def _gelu_erf_grad(grad, x, scalar):
-        return grad * (normal_cdf(x) + x * normal_pdf(x))
+        return grad * (normal_cdf(x, True) + x * normal_pdf(x, True))
+
+    @triton.jit
+    def _gelu_erf_grad_16bit(grad, x, scalar):
+        return grad * (normal_cdf(x, False) + x * normal_pdf(x, False))
 
     @triton.jit
     def _gelu_tanh_grad(grad, x, scalar):
@@ -227,16 +238,20 @@ if triton is not None:
 @GELU.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
            workspace: torch.Tensor | None) -> None:
-    """One pass of the strided elementwise kernel with the chosen form."""
-    form = _gelu_tanh if plan.attrs["approximate"] == "tanh" else _gelu_erf
+    """One pass of the strided elementwise kernel with the chosen form (the erf form's
+    cheaper evaluation for 16-bit results)."""
+    form = _gelu_tanh if plan.attrs["approximate"] == "tanh" else \
+        _gelu_erf if outputs[0].itemsize > 2 else _gelu_erf_16bit
     launch_elementwise(form, outputs[0], inputs[0], None, 0.0, plan.tiling, plan.grid)
 
 
 @GELU_BACKWARD.launcher("triton")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """One pass of the strided elementwise kernel over (grad, x)."""
-    form = _gelu_tanh_grad if plan.attrs["approximate"] == "tanh" else _gelu_erf_grad
+    """One pass of the strided elementwise kernel over (grad, x) (the erf form's cheaper
+    evaluation for 16-bit results)."""
+    form = _gelu_tanh_grad if plan.attrs["approximate"] == "tanh" else \
+        _gelu_erf_grad if outputs[0].itemsize > 2 else _gelu_erf_grad_16bit
     launch_elementwise(form, outputs[0], inputs[0], inputs[1], 0.0, plan.tiling, plan.grid)
 
 
