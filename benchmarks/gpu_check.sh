@@ -9,7 +9,8 @@
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
 #                  gradient, then the bandwidth kernels)
 #   attention_precision  the attention precision study up to S = 16384
-#   tests          the attention, MlaProlog, gating and embedding tests (no hypothesis)
+#   tests          the attention, MlaProlog, matmul, rope, gating and embedding tests (no
+#                  hypothesis): split K, tensor descriptors, strided outputs on the GPU
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
 #   host_overhead  benchmarks/host_overhead.py --device cuda: host µs per call and layer
@@ -23,8 +24,9 @@
 #                  (pointer and tensor-descriptor variants) against SDPA's flash and
 #                  cuDNN backends, head dims TUNING_HEAD_DIMS (default 64,128; not in
 #                  the default STEPS: ask for it)
-#   matmul_tuning  benchmarks/matmul_tuning.py: the matmul configuration sweep against
-#                  cuBLAS on square and MlaProlog shapes (~1-2 min; ask for it)
+#   matmul_tuning  benchmarks/matmul_tuning.py: the matmul configuration sweep (pointer
+#                  and tensor-descriptor variants) against cuBLAS on square and MlaProlog
+#                  shapes (~2-3 min; ask for it)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
 # (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
@@ -92,9 +94,9 @@ step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "
   --sizes 8192x8192
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
-step tests "${TESTS_TIMEOUT:-150}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
-  tests/test_attention.py tests/test_mla_prolog.py tests/test_moe_gating.py \
-  tests/test_embedding_dense_grad.py -k "not property"
+step tests "${TESTS_TIMEOUT:-180}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+  tests/test_attention.py tests/test_mla_prolog.py tests/test_matmul.py tests/test_rope.py \
+  tests/test_moe_gating.py tests/test_embedding_dense_grad.py -k "not property"
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify"
 step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
@@ -113,7 +115,7 @@ step demo "${DEMO_TIMEOUT:-240}" "$PYTHON" -m opforge demo --device cuda --out "
 step attention_tuning "${TUNING_TIMEOUT:-380}" "$PYTHON" benchmarks/attention_tuning.py \
   --head-dims "${TUNING_HEAD_DIMS:-64,128}" \
   --out "$OUT"
-step matmul_tuning "${MATMUL_TUNING_TIMEOUT:-150}" "$PYTHON" benchmarks/matmul_tuning.py \
+step matmul_tuning "${MATMUL_TUNING_TIMEOUT:-200}" "$PYTHON" benchmarks/matmul_tuning.py \
   --out "$OUT"
 
 echo "=== summary"
