@@ -1,6 +1,6 @@
 """Tensor-descriptor (TMA) plumbing shared by the kernels that read blocks by on-device
-tensor descriptor: whether the tensors allow it, and the scratch allocator descriptors
-need on a GPU."""
+tensor descriptor: whether the tensors allow it, the scratch allocator descriptors need on
+a GPU, and the descriptors of a pair of matrices."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def descriptor_pair(a_base, a_rows, a_cols, a_stride, b_base, b_rows, b_cols, b_stride,
+                        DESCRIPTORS: tl.constexpr, A_ROWS: tl.constexpr,
+                        A_COLS: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr):
+        """Tensor descriptors of two row-major matrices (``a_rows x a_cols`` read in blocks
+        of ``A_ROWS x A_COLS``, and b alike); the base pointers themselves without
+        ``DESCRIPTORS``. A descriptor's bounds are its matrix's, so blocks past the last
+        row or column read 0 without a mask (the launcher checked `descriptors_usable`)."""
+        if DESCRIPTORS:
+            a = tl.make_tensor_descriptor(a_base, shape=[a_rows, a_cols],
+                                          strides=[a_stride, 1], block_shape=[A_ROWS, A_COLS])
+            b = tl.make_tensor_descriptor(b_base, shape=[b_rows, b_cols],
+                                          strides=[b_stride, 1], block_shape=[B_ROWS, B_COLS])
+        else:
+            a, b = a_base, b_base
+        return a, b
 
 _scratch_allocator_set = False
 

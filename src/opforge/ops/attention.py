@@ -87,6 +87,7 @@ try:
     import triton
     import triton.language as tl
 
+    from opforge.ops._descriptors import descriptor_pair
     from opforge.ops._math import as_dot_operand, dot_operand, rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
@@ -749,24 +750,6 @@ if triton is not None:
         return visible
 
     @triton.jit
-    def _row_descriptors(a_base, b_base, rows, a_width, b_width, a_stride, b_stride,
-                         DESCRIPTORS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                         A_COLS: tl.constexpr, B_COLS: tl.constexpr):
-        """Tensor descriptors of two ``rows``-row matrices of one head (keys and values,
-        or queries and output gradients), blocks of ``BLOCK_ROWS`` rows; the base pointers
-        themselves without ``DESCRIPTORS``. Each descriptor's bounds are the head's, so
-        blocks past the last row and columns past the width read 0 without a mask (the
-        launcher checked that rows are contiguous and 16-byte aligned)."""
-        if DESCRIPTORS:
-            a = tl.make_tensor_descriptor(a_base, shape=[rows, a_width], strides=[a_stride, 1],
-                                          block_shape=[BLOCK_ROWS, A_COLS])
-            b = tl.make_tensor_descriptor(b_base, shape=[rows, b_width], strides=[b_stride, 1],
-                                          block_shape=[BLOCK_ROWS, B_COLS])
-        else:
-            a, b = a_base, b_base
-        return a, b
-
-    @triton.jit
     def _rows_block(base, desc, first, stride_row, stride_col, limit, width,
                     TRANSPOSED: tl.constexpr, DESCRIPTORS: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
@@ -877,8 +860,8 @@ if triton is not None:
         split_end = split_start + keys_per_split
         k_base = k_ptr + batch * stride_kb + (first_head // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (first_head // GROUP) * stride_vh
-        k_desc, v_desc = _row_descriptors(k_base, v_base, Sk, D, DV, stride_kn, stride_vn,
-                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        k_desc, v_desc = descriptor_pair(k_base, Sk, D, stride_kn, v_base, Sk, DV, stride_vn,
+                                         DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_N, BLOCK_DV)
         # Output rows: head slot (slice, batch, head), then query.
         slot_base = tl.program_id(2) * heads + batch * H + first_head
         offset = Sk - Sq
@@ -1008,8 +991,8 @@ if triton is not None:
         out_base = out_ptr + batch * stride_ob + h * stride_oh
         k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
         v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
-        k_desc, v_desc = _row_descriptors(k_base, v_base, Sk, D, DV, stride_kn, stride_vn,
-                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        k_desc, v_desc = descriptor_pair(k_base, Sk, D, stride_kn, v_base, Sk, DV, stride_vn,
+                                         DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_N, BLOCK_DV)
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
@@ -1136,9 +1119,9 @@ if triton is not None:
                 head = batch * H + hkv * GROUP + g
                 q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
                 dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
-                q_desc, dout_desc = _row_descriptors(q_base, dout_base, Sq, D, DV, stride_qm,
-                                                     stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
-                                                     BLOCK_DV)
+                q_desc, dout_desc = descriptor_pair(q_base, Sq, D, stride_qm, dout_base, Sq, DV,
+                                                    stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
+                                                    BLOCK_Q, BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + head * Sq,
                                            delta_ptr + head * Sq, stride_qm, stride_qd,

@@ -8,8 +8,9 @@ everywhere, including the far left tail where a float32 ``1 + erf(x / sqrt(2))``
 digit. For 16-bit results the erfc fit serves the whole range with one exp (no series, no
 split): a few float32 ulps near 0 and 2e-6 relative far out, still a thousandth of a
 16-bit ulp, for about half the instructions (a GPU runs this form at its memory's pace,
-not its special-function units'). The tanh form is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
-``0.5 x (1 + tanh(u))`` without tanh's overflow.
+not its special-function units'). The tanh form is ``x * sigmoid(2u)``,
+``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is ``0.5 x (1 + tanh(u))`` without tanh's
+overflow.
 
 ``gelu_backward(grad, x) = grad * d gelu(x)/dx``: ``Phi(x) + x phi(x)`` for the erf form,
 ``s + 2 s (1 - s) x u'(x)`` with ``s = sigmoid(2u)`` for the tanh form.

@@ -72,6 +72,7 @@ try:
     import triton
     import triton.language as tl
 
+    from opforge.ops._descriptors import descriptor_pair
     from opforge.ops._math import dot_operand, rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
@@ -336,13 +337,8 @@ if triton is not None:
         a_ptr += batch * stride_ab
         b_ptr += batch * stride_bb
         c_ptr += batch * stride_cb + k_slice * stride_cs
-        if DESCRIPTORS:
-            a_src = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                              block_shape=[BLOCK_M, BLOCK_K])
-            b_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
-                                              block_shape=[BLOCK_K, BLOCK_N])
-        else:
-            a_src, b_src = a_ptr, b_ptr
+        a_src, b_src = descriptor_pair(a_ptr, M, K, stride_am, b_ptr, K, N, stride_bk,
+                                       DESCRIPTORS, BLOCK_M, BLOCK_K, BLOCK_K, BLOCK_N)
         k_first = k_slice * K_SLICE
         k_end = tl.minimum(K, k_first + K_SLICE)
         tiles_m = tl.cdiv(M, BLOCK_M)
