@@ -166,7 +166,11 @@ class Plan:
         launcher applies to ``tensors`` (its inputs or intermediates), into ``out`` when
         given. The step is planned on its first run and kept with this plan: its
         signature follows from this plan's, so later runs skip the plan-cache lookup and
-        the input checks (a decode call is bound by such host costs)."""
+        the input checks (a decode call is bound by such host costs). A step without a
+        ``workspace=`` takes its scratch from the pool, which may hand it the buffer this
+        plan's own workspace views: a launcher keeps nothing in its workspace across a
+        step (work on one stream runs in order, so scratch used before or after a step
+        is safe)."""
         found = self._steps.get(name)
         if found is None:
             found = self._steps[name] = plan(op, *tensors, **attrs)
