@@ -741,6 +741,16 @@ if triton is not None:
         return full_end, end
 
     @triton.jit
+    def _heavy_first(index, blocks, CAUSAL: tl.constexpr):
+        """The query block that program slot ``index`` takes: with a causal mask the last
+        blocks see the most keys, so they go first and the light ones fill the tail of
+        the grid (programs start in index order); without it, in order."""
+        if CAUSAL:
+            return blocks - 1 - index
+        else:
+            return index
+
+    @triton.jit
     def _visible(rows, cols, Sk, offset, CAUSAL: tl.constexpr):
         """Which (query, key) pairs are seen; ``rows`` and ``cols`` already broadcast to
         the tile's orientation (queries x keys, or keys x queries on the key side)."""
@@ -867,7 +877,9 @@ if triton is not None:
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
-        for block in range(tl.program_id(0), tl.cdiv(Sq * PACK, BLOCK_M), tl.num_programs(0)):
+        blocks = tl.cdiv(Sq * PACK, BLOCK_M)
+        for index in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            block = _heavy_first(index, blocks, CAUSAL)
             first_row = block * BLOCK_M
             rows = first_row + tl.arange(0, BLOCK_M)
             if WIDE:
@@ -996,7 +1008,9 @@ if triton is not None:
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
-        for block in range(tl.program_id(0), tl.cdiv(Sq, BLOCK_M), tl.num_programs(0)):
+        blocks = tl.cdiv(Sq, BLOCK_M)
+        for index in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            block = _heavy_first(index, blocks, CAUSAL)
             first_row = block * BLOCK_M
             rows = first_row + tl.arange(0, BLOCK_M)
             if WIDE:
