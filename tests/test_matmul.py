@@ -195,7 +195,8 @@ def test_strided_out_is_written_through_its_strides(layout, splits, monkeypatch)
 @pytest.mark.parametrize("variant", ["tiles_tma", "tiles_tma_ws"])
 @pytest.mark.parametrize("a_shape, b_shape, dtype, splits, by_descriptor", [
     ((33, 200), (200, 72), torch.bfloat16, 1, True),
-    ((17, 100), (100, 20), torch.float32, 1, True),
+    ((32, 104), (104, 24), torch.float16, 1, True),
+    ((17, 100), (100, 20), torch.float32, 1, False),  # descriptors serve 16-bit operands
     ((3, 9, 200), (200, 40), torch.bfloat16, 3, True),  # K slices end inside K
     ((9, 70), (70, 33), torch.bfloat16, 1, False),  # 140-byte rows: not TMA-aligned
 ], ids=str)

@@ -13,7 +13,7 @@ streaming the weight: K is then cut into slices, each a program writing float32 
 sums to the workspace, and a second kernel adds them in slice order (the same result on
 every run) and rounds once to the output dtype. The variants ``tiles_tma`` and
 ``tiles_tma_ws`` read the operand blocks by on-device tensor descriptor (TMA on Hopper or
-newer; operands with unit-stride, 16-byte-aligned rows, else the pointer kernel), the
+newer; 16-bit operands with unit-stride, 16-byte-aligned rows, else the pointer kernel), the
 second with a warp-specialized K loop; `benchmarks/matmul_tuning.py` measures them, the
 tiling does not pick them yet.
 
@@ -461,8 +461,10 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     k_per_slice = split_steps(cdiv(k, block_k), slices)[0] * block_k
     wide = wide_offsets(a, b, target) or slices * target.numel() > INT32_LIMIT
     descriptors, warp_specialize = VARIANTS[plan.tiling.variant]
-    # Descriptor coordinates are int32: tensors past that take the pointer kernel.
-    if descriptors and (wide or not descriptors_usable(a, b)):
+    # Descriptors serve the tensor cores' 16-bit operands (float32's IEEE products compiled
+    # for sm_90 with them spill 5 KB); their coordinates are int32, so tensors past that
+    # take the pointer kernel too.
+    if descriptors and (wide or a.element_size() != 2 or not descriptors_usable(a, b)):
         descriptors = warp_specialize = False
     if descriptors:
         use_scratch_allocator(a.device)
