@@ -590,8 +590,8 @@ if triton is not None:
 
     @triton.jit
     def _mla_kv_kernel(x_ptr, w_ptr, gamma_ptr, cos_ptr, sin_ptr, index_ptr, kv_ptr, kr_ptr,
-                       partials_ptr, T, HE, K_SLICE, HCKV, DR, stride_xt, stride_xk, stride_wk,
-                       stride_wn, eps, block_size, slot_count, SLICED: tl.constexpr,
+                       partials_ptr, T, HE, K_SLICE, stride_xt, stride_xk, stride_wk, stride_wn,
+                       HCKV, DR, eps, block_size, slot_count, SLICED: tl.constexpr,
                        NZ: tl.constexpr, COL0: tl.constexpr, UPCAST: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -725,18 +725,19 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     slices = plan.grid[1]
     he = x.shape[1]
     k_per_slice = split_steps(cdiv(he, blocks["BLOCK_K"]), slices)[0] * blocks["BLOCK_K"]
-    rows_out = (gamma_ckv.contiguous(), rows_cos, rows_sin, cache_index.reshape(-1).contiguous(),
-                kv_cache, kr_cache)
+    # What the norm, rope and scatter of the rows read and write, and their sizes.
+    row_tensors = (gamma_ckv.contiguous(), rows_cos, rows_sin,
+                   cache_index.reshape(-1).contiguous(), kv_cache, kr_cache)
+    row_sizes = (hckv, dr, plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1],
+                 _slot_count(kv_cache))
     # Slices only while token blocks leave cores idle (T below cores x BLOCK_T): the
     # partials' offsets stay in int32.
     partials = workspace.view(torch.float32) if slices > 1 else x
     common = {"NZ": plan.attrs["cache_mode"] == "PA_NZ", "COL0": _col0(kv_cache),
               "BLOCK_C": blocks["BLOCK_C"], "BLOCK_R": blocks["BLOCK_R"]}
-    row_args = (hckv, dr, plan.attrs["rmsnorm_epsilon_ckv"], kv_cache.shape[1],
-                _slot_count(kv_cache))
     _mla_kv_kernel[plan.grid](
-        x, w_dkv_kr, *rows_out, partials, t, he, k_per_slice, hckv, dr, *x.stride(),
-        *w_dkv_kr.stride(), *row_args[2:], SLICED=slices > 1,
+        x, w_dkv_kr, *row_tensors, partials, t, he, k_per_slice, *x.stride(),
+        *w_dkv_kr.stride(), *row_sizes, SLICED=slices > 1,
         UPCAST=backends.interpreter_enabled(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_T=blocks["BLOCK_T"], BLOCK_K=blocks["BLOCK_K"], **common, **launch_options(tiling))
@@ -744,7 +745,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         warps = gpu_warps(MERGE_ROWS * (blocks["BLOCK_C"] + 2 * blocks["BLOCK_R"]),
                           plan.hardware)
         _mla_kv_merge_kernel[(min(t, MAX_PROGRAMS),)](
-            partials, *rows_out, t, *row_args, slices, BLOCK_T=MERGE_ROWS, **common,
+            partials, *row_tensors, t, *row_sizes, slices, BLOCK_T=MERGE_ROWS, **common,
             **({} if warps is None else {"num_warps": warps}))
 
 
