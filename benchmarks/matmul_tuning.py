@@ -58,6 +58,8 @@ DESCRIPTOR_SHAPES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (16, 128, 128, 
 CONFIGS = (*(("tiles", *shape) for shape in POINTER_SHAPES),
            *((variant, *shape) for variant in ("tiles_tma", "tiles_tma_ws")
              for shape in DESCRIPTOR_SHAPES))
+# K slices forced on the decode-sized shapes (the grid's rule picks its own otherwise).
+SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
 # (label, a shape, b shape).
 SHAPES = (("square 4096", (4096, 4096), (4096, 4096)),
           ("square 8192", (8192, 8192), (8192, 8192)),
@@ -110,7 +112,9 @@ def compile_rows(target_text: str) -> list[dict[str, object]]:
 
 
 def timed_rows(device: torch.device, scale: int) -> list[dict[str, object]]:
-    """cuBLAS, then every configuration, per shape."""
+    """cuBLAS, then every configuration, per shape; for the decode-sized (T = 16) shapes
+    also the chosen tiling with its K slices forced (1 = unsplit), to check the rule
+    that decides them."""
     rows = []
     for name, a_shape, b_shape in SHAPES:
         a_shape = tuple(max(1, size // scale) for size in a_shape)
@@ -125,19 +129,26 @@ def timed_rows(device: torch.device, scale: int) -> list[dict[str, object]]:
         rows.append({"shape": shape, "config": "torch.matmul (cuBLAS)",
                      "us": round(cublas_us, 1), "tflops": round(work / cublas_us / 1e6, 1),
                      "of_cublas": 1.0})
-        for config in CONFIGS:
+        variants = [(label(config), mock.patch.object(
+            MATMUL, "tiling", lambda *args, config=config: [forced(config)]))
+            for config in CONFIGS]
+        if "T16" in name:
+            variants += [(f"chosen, {slices} K slice{'s' if slices > 1 else ''}",
+                          mock.patch.object(matmul, "work_splits",
+                                            lambda *args, slices=slices, **kwargs: slices))
+                         for slices in SLICE_COUNTS]
+        for config, patch in variants:
             opforge.clear_caches()
             try:
-                with mock.patch.object(MATMUL, "tiling",
-                                       lambda *args, config=config: [forced(config)]):
+                with patch:
                     call = functools.partial(opforge.matmul, a, b)
                     us = time_call(call, device) * 1e6
                     diff = relative_difference((call(),), (expected,))
-                row = {"shape": shape, "config": label(config), "us": round(us, 1),
+                row = {"shape": shape, "config": config, "us": round(us, 1),
                        "tflops": round(work / us / 1e6, 1),
                        "of_cublas": round(cublas_us / us, 3), "diff": diff}
             except Exception as error:  # too much shared memory, say: reported
-                row = {"shape": shape, "config": label(config), "us": None, "tflops": None,
+                row = {"shape": shape, "config": config, "us": None, "tflops": None,
                        "error": f"{type(error).__name__}: {error}"[:200]}
             print(row, flush=True)
             rows.append(row)
