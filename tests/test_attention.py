@@ -140,8 +140,8 @@ def test_decoding_on_a_gpu_profile_packs_heads_and_splits_the_keys():
     slices' float32 partials. A full prefill neither packs nor splits; a batch that fills
     the cores and the CPU keep one slice."""
     def plan(b, sq, sk, hardware, heads=32):
-        q = torch.empty(b, heads, sq, 128, dtype=torch.bfloat16)
-        k = torch.empty(b, 8, sk, 128, dtype=torch.bfloat16)
+        q = torch.empty(b, heads, sq, 128, dtype=torch.bfloat16, device=DEVICE)
+        k = torch.empty(b, 8, sk, 128, dtype=torch.bfloat16, device=DEVICE)
         with opforge.use_hardware(hardware), opforge.use_backend("triton"):
             return opforge.plan("attention", q, k, k)
 

@@ -56,7 +56,7 @@ def test_long_k_accumulates_in_float32(dtype, backend):
     out = opforge.matmul(a, b)
     assert_golden(MATMUL, Case("k_8192", (a, b)), out)
     if dtype == torch.float16:
-        naive = torch.zeros(16, 16, dtype=torch.float16)
+        naive = torch.zeros(16, 16, dtype=torch.float16, device=DEVICE)
         for start in range(0, 8192, 512):   # 16-bit running sums, as a 16-bit accumulator
             naive = (naive + (a[:, start:start + 512].float()
                               @ b[start:start + 512].float()).half())
@@ -173,13 +173,13 @@ def test_strided_out_is_written_through_its_strides(layout, splits, monkeypatch)
     monkeypatch.setattr(matmul, "work_splits", lambda *args, **kwargs: splits)
     if layout == "transposed":
         a, b = _x(13, 300), _x(300, 9, seed=1)
-        out = torch.full((9, 13), torch.nan).t()
+        out = torch.full((9, 13), torch.nan, device=DEVICE).t()
     elif layout == "batch_in_the_middle":
         a, b = _x(5, 13, 300), _x(300, 9, seed=1)
-        out = torch.full((13, 5, 9), torch.nan).transpose(0, 1)
+        out = torch.full((13, 5, 9), torch.nan, device=DEVICE).transpose(0, 1)
     else:
         a, b = _x(2, 3, 13, 300), _x(300, 9, seed=1)
-        out = torch.full((3, 2, 13, 9), torch.nan).transpose(0, 1)
+        out = torch.full((3, 2, 13, 9), torch.nan, device=DEVICE).transpose(0, 1)
     assert not out.is_contiguous()
     opforge.clear_caches()
     try:

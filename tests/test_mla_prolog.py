@@ -75,7 +75,8 @@ def test_caches_are_updated_in_place_row_by_row(mode, backend):
     assert kv_out is inputs[10] and kr_out is inputs[11]
     slots = inputs[9]
     written = slots[slots >= 0]
-    untouched = torch.ones(kv_before.shape[0] * kv_before.shape[1], dtype=torch.bool)
+    untouched = torch.ones(kv_before.shape[0] * kv_before.shape[1], dtype=torch.bool,
+                           device=DEVICE)
     untouched[written] = False
     for before, after in ((kv_before, kv_out), (kr_before, kr_out)):
         rows_before, rows_after = cache_rows(before, mode), cache_rows(after, mode)
@@ -191,11 +192,11 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
     for tokens in (16, 1024, 4096):
         shapes = ((tokens, he), (he, hcq), (hcq, n * (d + dr)), (n, d, hckv), (he, hckv + dr),
                   (hcq,), (hckv,), (tokens, dr), (tokens, dr))
-        inputs = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
+        inputs = [torch.empty(shape, dtype=torch.bfloat16, device=DEVICE) for shape in shapes]
         blocks = max(4, tokens // 16)
-        inputs += [torch.zeros(tokens, dtype=torch.int64),
-                   torch.empty(blocks, 16, 1, hckv, dtype=torch.bfloat16),
-                   torch.empty(blocks, 16, 1, dr, dtype=torch.bfloat16)]
+        inputs += [torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
+                   torch.empty(blocks, 16, 1, hckv, dtype=torch.bfloat16, device=DEVICE),
+                   torch.empty(blocks, 16, 1, dr, dtype=torch.bfloat16, device=DEVICE)]
         with opforge.use_backend("triton"), opforge.use_hardware("h200"):
             plan = opforge.plan(MLA, *inputs)
         grids[tokens] = (plan.grid, plan.workspace_bytes)
