@@ -9,8 +9,9 @@
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
 #                  gradient, then the bandwidth kernels)
 #   attention_precision  the attention precision study up to S = 16384
-#   tests          the attention, MlaProlog, matmul, rope, gating and embedding tests (no
-#                  hypothesis): split K, tensor descriptors, strided outputs on the GPU
+#   tests          the matmul, MlaProlog, rope, attention, gating and embedding tests (no
+#                  hypothesis; the newest GPU paths first: split K, tensor descriptors,
+#                  strided outputs; each new kernel variant compiles on first use)
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
 #   host_overhead  benchmarks/host_overhead.py --device cuda: host µs per call and layer
@@ -94,8 +95,8 @@ step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "
   --sizes 8192x8192
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
-step tests "${TESTS_TIMEOUT:-180}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
-  tests/test_attention.py tests/test_mla_prolog.py tests/test_matmul.py tests/test_rope.py \
+step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+  tests/test_matmul.py tests/test_mla_prolog.py tests/test_rope.py tests/test_attention.py \
   tests/test_moe_gating.py tests/test_embedding_dense_grad.py -k "not property"
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify"
