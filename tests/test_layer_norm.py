@@ -32,8 +32,11 @@ def test_offset_data_that_breaks_the_naive_variance(profile):
     """For 1e4 + N(0, 1) in float32, E[x^2] - E[x]^2 subtracts two numbers near 1e8 whose
     float32 rounding error (~8) exceeds the variance (~1): the naive rstd is wrong by more
     than 10% or NaN (checked below). opforge's two-pass / Chan variance keeps rstd within
-    1e-4 relative and y within 2 eps * 1e4 = 2.4e-3 of the golden: the limit is the float32
-    rounding of the mean near 1e4, which x - mean inherits."""
+    1e-4 relative. The rows variant (a whole row on chip) also takes the rough mean's
+    rounding error out of the deviations (a corrected second pass): y within 8 eps of the
+    golden, where torch's float32 layer_norm is off by about 1e-3. The looped variant
+    (Chan's merge of blocks) keeps the float32 rounding of the mean near 1e4, which
+    x - mean inherits: y within 2 eps * 1e4 = 2.4e-3."""
     x = (torch.randn(8, 4097, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
          + 1e4).float().to(DEVICE)
     wide = x.double()
@@ -48,7 +51,7 @@ def test_offset_data_that_breaks_the_naive_variance(profile):
         assert plan.tiling.variant == PROFILES[profile]
         y, mean, rstd = plan.run(x, None, None)
     ours_error = (y.double() - golden).abs().max().item()
-    assert ours_error < 2 * 2.0**-23 * 1e4
+    assert ours_error < (8 * 2.0**-23 if PROFILES[profile] == "rows" else 2 * 2.0**-23 * 1e4)
     # No worse than torch's own float32 layer_norm on the same inputs (both reported).
     torch_error = (torch.nn.functional.layer_norm(x, (4097,)).double() - golden).abs().max()
     assert ours_error <= 1.5 * torch_error.item(), (ours_error, torch_error.item())

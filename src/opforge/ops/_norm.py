@@ -3,11 +3,12 @@ kernels, the launchers and the error scale.
 
 A norm works on rows of ``N = prod(normalized dims)`` elements. With ``CENTER`` (LayerNorm)
 the row mean is subtracted and the variance is the mean squared deviation, computed by two
-passes over the row in registers (``rows``) or by merging per-block (count, mean, M2)
-statistics with Chan's formula (``looped``), never by ``E[x^2] - E[x]^2``, which cancels
-catastrophically for data far from zero. Without it (RMSNorm) the mean is 0 and the
-"variance" is ``mean(x^2)``. ``rstd = 1 / sqrt(var + eps)``, ``x_hat = (x - mean) * rstd``,
-``y = x_hat * weight + bias``.
+passes over the row in registers (``rows``: for a row whose mean stands beyond its spread,
+a corrected second pass takes the rough mean's rounding out of the deviations) or by
+merging per-block (count, mean, M2) statistics with Chan's formula (``looped``), never by
+``E[x^2] - E[x]^2``, which cancels catastrophically for data far from zero. Without it
+(RMSNorm) the mean is 0 and the "variance" is ``mean(x^2)``. ``rstd = 1 / sqrt(var +
+eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight + bias``.
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
 x_hat))`` (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
@@ -224,12 +225,27 @@ if triton is not None:
                     sums = sum_ptr + rows[:, None] * N + cols[None, :]
                     tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
                 if CENTER:
+                    # Corrected two-pass deviations: a row far from zero (1e4 + N(0, 1), say)
+                    # rounds its sum by whole units, but its deviations from that rough mean
+                    # are formed exactly, and their mean is the rough mean's error: taken
+                    # out, the normalised row is exact to float32 rounding. Only where the
+                    # mean stands beyond the spread: on a row centred near zero the
+                    # correction is another cancelling sum, noise the rough mean lacks. The
+                    # saved mean stays the rough one; a row holding inf or NaN is left as it
+                    # was.
                     mean = tl.sum(s, axis=1) / N
                     deviation = tl.where(mask, s - mean[:, None], 0.0)
+                    variance = tl.sum(deviation * deviation, axis=1) / N
+                    correction = tl.sum(deviation, axis=1) / N
+                    offset = (mean * mean > variance) & (tl.abs(mean) < float("inf"))
+                    correction = tl.where(offset, correction, 0.0)
+                    deviation = tl.where(mask, deviation - correction[:, None], 0.0)
+                    variance -= correction * correction
                 else:
                     mean = tl.zeros([BLOCK_M], dtype=tl.float32)
                     deviation = s
-                rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, axis=1) / N + eps)
+                    variance = tl.sum(s * s, axis=1) / N
+                rstd = 1.0 / tl.sqrt(variance + eps)
                 y = _affine(deviation * rstd[:, None], weight_ptr, bias_ptr, cols, N,
                             HAS_WEIGHT, HAS_BIAS)
                 outs = y_ptr + rows[:, None] * N + cols[None, :]
