@@ -235,6 +235,37 @@ def test_descriptor_variants_match_the_golden(variant, a_shape, b_shape, dtype, 
     assert_golden(MATMUL, Case(variant, (a, b)), out)
 
 
+def test_out_that_shares_memory_is_refused_and_odd_layouts_are_copied(monkeypatch):
+    """An expanded ``out`` (stride 0: every element one address) is refused with a typed
+    error before any kernel runs; a layout whose elements are distinct but interleaved
+    (strides (3, 2) for a 2 x 2 result), which the launcher's stride test cannot vouch
+    for, is filled through a contiguous buffer and a copy."""
+    from opforge.ops import matmul
+
+    launched = []
+    kernel = matmul._matmul_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(args[2])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(matmul, "_matmul_kernel", Recorded())
+    a, b = _x(2, 5), _x(5, 2, seed=1)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan(MATMUL, a, b)
+        with pytest.raises(opforge.OpError, match="share memory") as raised:
+            plan.run(a, b, out=torch.zeros(1, device=DEVICE).expand(2, 2))
+        assert raised.value.param == "out" and not launched
+        storage = torch.full((6,), torch.nan, device=DEVICE)
+        odd = storage.as_strided((2, 2), (3, 2))
+        plan.run(a, b, out=odd)
+    assert launched[0] is not odd  # a contiguous buffer, copied into odd
+    assert_golden(MATMUL, Case("interleaved_out", (a, b)), odd)
+
+
 def test_skinny_products_on_a_gpu_profile_split_k():
     """A decode step's down-projection (16 tokens, K 7168, N 1536) has 12 output tiles
     for an H200's 132 cores: the grid cuts K into slices for up to two programs a core

@@ -206,11 +206,19 @@ class Plan:
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
         for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
-            _check_against(tensor, spec, self.op.name, self.op.outputs[index].name)
-        # Kernels write contiguous outputs, unless the operator says its launchers honour
-        # strides; else a strided `out` is filled through a copy.
+            name = self.op.outputs[index].name
+            _check_against(tensor, spec, self.op.name, name)
+            if any(size > 1 and stride == 0
+                   for size, stride in zip(tensor.shape, tensor.stride())):
+                raise OpError("has elements that share memory (an expanded view)",
+                              op=self.op.name, param=name,
+                              expected="an out whose elements are distinct",
+                              got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+        # Kernels write contiguous outputs, or any layout whose elements are distinct where
+        # the operator says its launchers honour strides; else a strided `out` is filled
+        # through a copy.
         strided = self.op.strided_out
-        targets = [t if strided or t.is_contiguous() else allocate(s)
+        targets = [t if t.is_contiguous() or (strided and _distinct_elements(t)) else allocate(s)
                    for t, s in zip(given, self.outputs)]
         return targets, given
 
@@ -236,7 +244,8 @@ class Plan:
 
         Raises:
             ShapeError, DtypeError, DeviceError: a tensor does not match the plan.
-            OpError: wrong number of inputs or outputs, or a workspace that is too small.
+            OpError: wrong number of inputs or outputs, an ``out`` whose elements share
+                memory (an expanded view), or a workspace that is too small.
         """
         return self._observed(self._check_inputs(tensors), out, workspace)
 
@@ -291,6 +300,19 @@ class Plan:
             raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
                           expected="a contiguous tensor", got=f"strides {workspace.stride()}")
         return workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+
+
+def _distinct_elements(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory, by a sufficient test: ordered
+    by stride, each dim steps past everything the smaller-strided dims span (true of any
+    permuted or sliced dense layout). A layout it cannot vouch for goes through a copy."""
+    span = 1
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] > 1),
+                               key=lambda d: d[1]):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
 
 
 def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:

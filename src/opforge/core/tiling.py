@@ -34,8 +34,8 @@ def persistent_grid(tiles: int, hardware: HardwareProfile) -> int:
 
 def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps: int = 4,
                 busy_share: float = 1.0) -> int:
-    """Slices of a loop of ``steps`` block steps (a long reduction: K of a matmul, the keys
-    of attention) when ``programs`` programs leave cores idle (skinny or decoding shapes):
+    """Slices of a loop of ``steps`` block steps (a long reduction: an inner dimension, a
+    sequence of keys) when ``programs`` programs leave cores idle (skinny or decoding shapes):
     each slice becomes a program of its own and a second kernel combines the slices'
     float32 partials. Enough slices for two programs a core, each at least ``min_steps``
     steps long; 1 on the CPU (the interpreter pays per block operation, not per idle core)
