@@ -30,6 +30,24 @@ def _run(inputs: list[torch.Tensor], **attrs: object) -> tuple[torch.Tensor, ...
     return opforge.mla_prolog(*inputs, **attrs)
 
 
+@pytest.fixture(params=["fused", "steps"])
+def query_path(request, monkeypatch):
+    """Both forms of the query path after the down-projection, whatever the token count:
+    `_mla_query_kernel` (variant fused_kv_query) or the rms_norm, matmul and rope steps."""
+    from opforge.ops import mla_prolog
+
+    monkeypatch.setattr(mla_prolog, "FUSED_QUERY_TOKENS",
+                        10**9 if request.param == "fused" else 0)
+    opforge.clear_caches()
+    yield request.param
+    opforge.clear_caches()
+
+
+def _variant(inputs: list[torch.Tensor], **attrs: object) -> str:
+    with opforge.use_backend("triton"):
+        return opforge.plan(MLA, *inputs, **attrs).tiling.variant
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_samples_match_the_golden(dtype, backend):
     for case in MLA.samples(dtype, DEVICE, torch.Generator().manual_seed(2)):
@@ -52,11 +70,13 @@ def test_steps_are_planned_once_per_plan():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-def test_triton_matches_the_cann_rounding_formula():
-    """bf16: the Triton path rounds where CANN's golden rounds; against that formula at
-    float32 (the torch backend) every output is within one bf16 ulp and nearly all
-    elements are equal."""
+def test_triton_matches_the_cann_rounding_formula(query_path):
+    """bf16: both query paths of the Triton backend round where CANN's golden rounds
+    (the normalised cq, qq, query, query_rope); against that formula at float32 (the
+    torch backend) every output is within one bf16 ulp and nearly all elements are
+    equal."""
     inputs = _inputs(9, seed=3, he=128, hcq=64, hckv=64, n=4, d=32, dr=16)
+    assert _variant(inputs) == {"fused": "fused_kv_query", "steps": "fused_kv"}[query_path]
     with opforge.use_backend("torch"):
         expected = _run([t.clone() for t in inputs])
     with opforge.use_backend("triton"):
@@ -152,6 +172,54 @@ def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
         assert (buffer[cache.shape[0]:] == 7.0).all()
 
 
+def test_fused_query_kernel_over_token_blocks_and_latent_chunks(query_path):
+    """The fused query kernel where its loops matter: 80 tokens (two blocks of 64), a
+    latent width of 160 (two 128-column chunks of the absorbed product, the second
+    partial), nope and rope dims that are not powers of two for the blocks, a
+    non-contiguous gamma_cq; NaN-poisoned outputs, against the float64 golden, both
+    query paths (they must agree with each other to a bf16 ulp as well)."""
+    inputs = _inputs(80, seed=5, he=72, hcq=40, hckv=160, n=3, d=24, dr=16, blocks=8)
+    inputs[5] = torch.stack([inputs[5], torch.zeros_like(inputs[5])], 1)[:, 0]
+    assert not inputs[5].is_contiguous()
+    with opforge.use_backend("triton"):
+        outputs = _run([t.clone() for t in inputs])
+    assert_golden(MLA, Case("query_blocks", inputs), (*outputs[:2], *outputs[2:]))
+
+
+def test_a_decode_step_fuses_the_query_path_into_one_launch(monkeypatch):
+    """Up to FUSED_QUERY_TOKENS tokens, the query path after the down-projection is one
+    kernel launch where the rms_norm, matmul (up, absorb) and rope steps make four, so a
+    decode step makes three launches fewer (on the CPU: down-projection, query kernel,
+    KV kernel)."""
+    from opforge.ops import mla_prolog
+
+    kernel_type = type(mla_prolog._mla_kv_kernel)  # JITFunction, or the interpreter's
+    launched = []
+    real = kernel_type.run
+
+    def counted(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", counted)
+    launches = {}
+    for tokens in (mla_prolog.FUSED_QUERY_TOKENS, mla_prolog.FUSED_QUERY_TOKENS + 1):
+        launched.clear()
+        with opforge.use_backend("triton"):
+            _run(_inputs(tokens, seed=1, blocks=8))
+        launches[tokens] = list(launched)
+    fused, steps = launches[64], launches[65]
+    with opforge.use_backend("triton"):
+        plan = opforge.plan(MLA, *_inputs(64, blocks=8))
+    flops, _ = kernel_costs(plan)["_mla_query_kernel"]  # the profiler's figure for it
+    assert flops == 2 * 64 * 4 * (48 * (16 + 16) + 16 * 32)  # T N (Hcq (D + Dr) + D Hckv)
+    assert fused.count("_mla_query_kernel") == 1 and "_rope_kernel" not in fused
+    assert "_mla_query_kernel" not in steps and "_rope_kernel" in steps
+    assert len(steps) - len(fused) == 3
+    if DEVICE.type == "cpu":
+        assert fused == ["_matmul_kernel", "_mla_query_kernel", "_mla_kv_kernel"]
+
+
 @pytest.mark.parametrize("slices", [3, 40])
 @pytest.mark.parametrize("mode", ["PA_BSND", "PA_NZ"])
 def test_sliced_projections_match_the_golden(mode, slices, monkeypatch):
@@ -183,11 +251,11 @@ def test_sliced_projections_match_the_golden(mode, slices, monkeypatch):
 
 
 def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
-    """DeepSeek-V3 sizes on an H200 profile: 16 tokens are one block of the KV kernel, so
-    He (7168) is cut into slices of at least 4 BLOCK_K steps for the 132 cores, with
-    their float32 partials in the workspace; 1024 tokens (64 blocks) take a few slices;
-    4096 tokens fill the cores without."""
-    grids = {}
+    """DeepSeek-V3 sizes on an H200 profile: 16 tokens take the fused query kernel and are
+    one block of the KV kernel, so He (7168) is cut into slices of at least 4 BLOCK_K steps
+    for the 132 cores, with their float32 partials in the workspace; 1024 tokens (64 blocks)
+    take a few slices; 4096 tokens fill the cores without."""
+    grids, variants = {}, {}
     he, hcq, hckv, n, d, dr = 7168, 1536, 512, 128, 128, 64
     for tokens in (16, 1024, 4096):
         shapes = ((tokens, he), (he, hcq), (hcq, n * (d + dr)), (n, d, hckv), (he, hckv + dr),
@@ -200,6 +268,12 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
         with opforge.use_backend("triton"), opforge.use_hardware("h200"):
             plan = opforge.plan(MLA, *inputs)
         grids[tokens] = (plan.grid, plan.workspace_bytes)
+        variants[tokens] = plan.tiling
+    # A decode step's query path is one kernel holding its 16 tokens; 1024 go through
+    # the matmul steps.
+    assert variants[16].variant == "fused_kv_query"
+    assert variants[16].blocks["QUERY_T"] == 16 and variants[16].blocks["QUERY_C"] == 128
+    assert variants[1024].variant == variants[4096].variant == "fused_kv"
     (programs, slices), workspace = grids[16]
     assert programs == 1 and slices == 7168 // (4 * 64)  # slices of 4 BLOCK_K steps
     assert workspace == 4 * slices * 16 * (512 + 2 * 64)

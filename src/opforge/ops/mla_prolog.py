@@ -25,16 +25,20 @@ cube unit, ``(width / c0, BlockSize, c0)`` with ``c0 = 32 bytes / itemsize``, in
 tensor (`nz_view` shows it). Duplicate non-negative indices leave one of the tokens' rows,
 unspecified which (as on Ascend).
 
-Triton backend: the query path runs through opforge's matmul, rms_norm and rope (each
-result rounded at CANN's points); the KV path is one fused kernel per block of tokens that
-computes the ``kv`` projection in float32, never stores it, and applies the RMSNorm, the
-interleave-half RoPE (the rope columns of the weight are read in rotated order, so each
-output element finds its partner in a second accumulator) and the scatter into both
-caches. A decode step's few tokens make one or two such blocks, each reading all of
-``weight_dkv_kr``: He is then cut into slices, each a program writing the float32 partial
-sums of its slice, and a merge kernel adds them in slice order before the norm, rope and
-scatter (still no rounding of ``kv``). The torch backend computes the same formula at
-float32 and writes only the indexed cache rows.
+Triton backend: the down-projection runs through opforge's matmul. For a decode step (up
+to `FUSED_QUERY_TOKENS` tokens) the rest of the query path is one kernel per (block of
+tokens, head): the RMSNorm of ``cq``, the head's up-projection columns, its RoPE and its
+absorbed product, so a decode step launches three kernels fewer and keeps no ``qq`` in
+memory; past that size it runs through opforge's rms_norm, matmul and rope, whose large
+tiles suit the larger products. Both round at CANN's points. The KV path is one fused
+kernel per block of tokens that computes the ``kv`` projection in float32, never stores
+it, and applies the RMSNorm, the interleave-half RoPE (the rope columns of the weight
+are read in rotated order, so each output element finds its partner in a second
+accumulator) and the scatter into both caches. A decode step's few tokens make one or
+two such blocks, each reading all of ``weight_dkv_kr``: He is then cut into slices, each
+a program writing the float32 partial sums of its slice, and a merge kernel adds them in
+slice order before the norm, rope and scatter (still no rounding of ``kv``). The torch
+backend computes the same formula at float32 and writes only the indexed cache rows.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from opforge.core.tiling import (
     launch_options,
     next_power_of_2,
     split_steps,
+    wide_offsets,
     work_splits,
 )
 from opforge.library import register_op
@@ -79,7 +84,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import dot_operand, rounded_for, widen
+    from opforge.ops._math import as_dot_operand, dot_operand, rounded_for, widen
     from opforge.ops.rope import rope_indices
 except ImportError:  # pragma: no cover
     triton = None
@@ -88,6 +93,10 @@ NAME = "mla_prolog"
 CACHE_MODES = ("PA_BSND", "PA_NZ")
 NZ_BYTES = 32
 MERGE_ROWS = 1  # tokens a program of the KV merge kernel takes: one, for the most programs
+# Tokens up to which the query path after the down-projection is one kernel (variant
+# fused_kv_query): a decode step, bound by launches and host time. Its programs hold all
+# the tokens, so the up-projection's weight is read once.
+FUSED_QUERY_TOKENS = 64
 INDEX_DTYPES = (torch.int64, torch.int32)
 EPS_RANGE = (0.0, None)
 INPUT_NAMES = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr",
@@ -184,10 +193,12 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
 
 def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
                   attrs: Attrs) -> dict[str, Cost]:
-    """The fused KV kernel (the query path's matmuls, norm and rope are plans of their own,
-    with their own costs): the latent and rope projections (the rope columns twice, in
+    """The fused KV kernel: the latent and rope projections (the rope columns twice, in
     source and partner order) and the rows written into the caches; with He in slices,
-    the float32 partials it writes instead, which the merge kernel reads back."""
+    the float32 partials it writes instead, which the merge kernel reads back. In variant
+    ``fused_kv_query`` also the query kernel: its products, and the head weights read
+    once per block of tokens. (The other steps, the query path's matmuls, norm and rope,
+    are plans of their own, with their own costs.)"""
     s = _sizes(inputs, attrs)
     t, he, hckv, dr = (s[k] for k in ("t", "he", "hckv", "dr"))
     item = inputs[0].itemsize
@@ -196,9 +207,18 @@ def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs:
     rows = (hckv + 2 * t * dr + t * (hckv + dr)) * item  # gamma, tables, cache rows
     partials = 4 * _partials(tiling, grid, t)
     if not partials:
-        return {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + rows)}
-    return {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + partials),
-            "_mla_kv_merge_kernel": Cost(partials // 4, partials + rows)}
+        costs = {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + rows)}
+    else:
+        costs = {"_mla_kv_kernel": Cost(products.flops, products.bytes_moved + partials),
+                 "_mla_kv_merge_kernel": Cost(partials // 4, partials + rows)}
+    if tiling.variant == "fused_kv_query":
+        hcq, n, d = s["hcq"], s["n"], s["d"]
+        # The head's weights are read once per block of tokens.
+        reads = cdiv(t, tiling.blocks["QUERY_T"]) * (hcq * n * (d + dr) + n * d * hckv) \
+            + t * hcq + hcq + 2 * t * dr
+        costs["_mla_query_kernel"] = Cost(2 * t * n * (hcq * (d + dr) + d * hckv),
+                                          (reads + t * n * (hckv + dr)) * item)
+    return costs
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -206,27 +226,56 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     """The fused KV kernel's blocks: ``BLOCK_T`` tokens, ``BLOCK_K`` of He per step, the
     whole latent row (``BLOCK_C``) and two rotated rope accumulators (``BLOCK_R``) held,
     so that the RMSNorm sees complete rows. 16 tokens a program (the dot's minimum) on
-    GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps."""
+    GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps.
+
+    Variant ``fused_kv_query`` (up to `FUSED_QUERY_TOKENS` tokens: a decode step) also
+    fuses the query path after the down-projection into `_mla_query_kernel`, one program
+    per (token block, head) holding all ``QUERY_T`` tokens (so the up-projection's weight
+    is read once): ``QUERY_K`` of Hcq per step, the head's nope columns (``BLOCK_D``) and
+    its even and odd rope columns (``QUERY_H`` each), then ``QUERY_C`` latent columns of
+    the absorbed product at a time. Variant ``fused_kv`` runs the query path as matmul,
+    rms_norm and rope plans."""
     # Tiling sees power-of-two buckets of the shapes: read the sizes, check nothing.
-    x, hckv, dr = inputs[0], inputs[3].shape[2], inputs[7].shape[-1]
+    x, d, hckv, dr = inputs[0], inputs[3].shape[1], inputs[3].shape[2], inputs[7].shape[-1]
+    tokens, hcq = math.prod(x.shape[:-1]), inputs[1].shape[1]
     item = x.itemsize
     block_c, block_r = max(16, next_power_of_2(hckv)), max(16, next_power_of_2(dr))
+    block_d = max(16, next_power_of_2(d))
     cpu = hardware.device_type == "cpu"
-    block_t = max(16, min(64 if cpu else 16, next_power_of_2(math.prod(x.shape[:-1]))))
-    block_k = max(16, min(256 if cpu else (64 if item <= 2 else 32),
-                          next_power_of_2(x.shape[-1])))
+    block_t = max(16, min(64 if cpu else 16, next_power_of_2(tokens)))
+    widest_k = 256 if cpu else (64 if item <= 2 else 32)
+    block_k = max(16, min(widest_k, next_power_of_2(x.shape[-1])))
+    query_k = max(16, min(widest_k, next_power_of_2(hcq)))
+    fused_query = tokens <= FUSED_QUERY_TOKENS
+    # float32's IEEE products take larger register tiles: 64 tokens spill on sm_90 (8 KB
+    # a thread), 16 do not, so float32 takes its tokens 16 at a time.
+    query_t = max(16, min(64 if item <= 2 else 16, next_power_of_2(tokens)))
+    query_c = min(block_c, 128)
+    query_h = max(16, next_power_of_2(dr // 2))
+    query_width = block_d + 2 * query_h
+    warps = gpu_warps(block_t * (block_c + 2 * block_r), hardware)
+    query_warps = gpu_warps(query_t * query_width, hardware)
     candidates = []
     while True:
         onchip = 2 * block_k * (block_t + block_c + 2 * block_r) * item \
             + block_t * (block_c + 2 * block_r) * 4
+        blocks = {"BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_C": block_c,
+                  "BLOCK_R": block_r}
+        if fused_query:
+            onchip = max(onchip, 2 * query_k * (query_t + query_width) * item
+                         + query_t * query_width * 4 + block_d * query_c * item
+                         + query_t * query_c * 4)
+            blocks.update(QUERY_T=query_t, QUERY_K=query_k, BLOCK_D=block_d, QUERY_H=query_h,
+                          QUERY_C=query_c)
         candidates.append(Tiling(
-            "fused_kv", {"BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_C": block_c,
-                         "BLOCK_R": block_r}, onchip, double_buffered=False,
-            options={"warps": gpu_warps(block_t * (block_c + 2 * block_r), hardware),
-                     "stages": 2 if hardware.device_type == "cuda" else None}))
-        if block_k == 16:
+            "fused_kv_query" if fused_query else "fused_kv", blocks, onchip,
+            double_buffered=False,
+            options={"warps": warps, "stages": 2 if hardware.device_type == "cuda" else None,
+                     **({"query_warps": min(8, query_warps)} if fused_query and query_warps
+                        else {})}))
+        if block_k == 16 and query_k == 16:
             return candidates
-        block_k //= 2
+        block_k, query_k = max(16, block_k // 2), max(16, query_k // 2)
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
@@ -290,6 +339,8 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
              {"rmsnorm_epsilon_cq": 1e-6, "rmsnorm_epsilon_ckv": 1e-3}),
         Case("all_skipped", mla_inputs(4, dtype, device, generator, skip_all=True)),
         Case("zero_tokens", mla_inputs(0, dtype, device, generator)),
+        # Past FUSED_QUERY_TOKENS: the query path through the matmul, norm and rope steps.
+        Case("t80_query_steps", mla_inputs(80, dtype, device, generator, blocks=8)),
     ]
 
 
@@ -642,6 +693,88 @@ if triton is not None:
                            NZ, COL0, BLOCK_C, BLOCK_R)
 
 
+    @triton.jit
+    def _mla_query_kernel(cq_ptr, gamma_ptr, wuq_ptr, wuk_ptr, cos_ptr, sin_ptr, query_ptr,
+                          rope_ptr, T, N, HCQ, D, DR, HCKV, eps, stride_wk, stride_wn,
+                          stride_uh, stride_ud, stride_uc, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+        """The query path of a decode step after the down-projection, per (block of
+        tokens, head): the RMSNorm of the ``cq`` rows (rounded), the head's columns of the
+        up-projection (rounded: CANN's ``qq``), the interleave-half RoPE of its rope part
+        into ``query_rope``, and its nope part times ``weight_uk[head]`` into ``query``,
+        ``BLOCK_C`` latent columns at a time. The rope columns are read as two
+        accumulators, the even and the odd ones (``BLOCK_H`` each): the de-interleaved
+        halves of the output pair them up. ``cq`` is ``(T, HCQ)`` contiguous, the tables
+        ``(T, DR)``, the outputs ``(T, N, HCKV)`` and ``(T, N, DR)``."""
+        nope = tl.arange(0, BLOCK_D)
+        pair = tl.arange(0, BLOCK_H)
+        pair_mask = pair < DR // 2
+        for work in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * N, tl.num_programs(0)):
+            # Heads of one token block run side by side: they read the same cq rows.
+            head = work % N
+            rows = (work // N) * BLOCK_T + tl.arange(0, BLOCK_T)
+            row_mask = rows < T
+            squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for start in range(0, HCQ, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                cq = widen(tl.load(cq_ptr + rows[:, None] * HCQ + ks[None, :],
+                                   mask=row_mask[:, None] & (ks < HCQ)[None, :], other=0.0))
+                squares += tl.sum(cq * cq, 1)
+            rstd = 1.0 / tl.sqrt(squares / HCQ + eps)
+            acc_n = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            acc_e = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            acc_o = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            first_col = head * (D + DR)
+            for start in range(0, HCQ, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                k_mask = ks < HCQ
+                cq = widen(tl.load(cq_ptr + rows[:, None] * HCQ + ks[None, :],
+                                   mask=row_mask[:, None] & k_mask[None, :], other=0.0))
+                gamma = widen(tl.load(gamma_ptr + ks, mask=k_mask, other=0.0))
+                # CANN rounds the normalised rows to the input dtype before the product.
+                normed = as_dot_operand(cq * rstd[:, None] * gamma[None, :], cq_ptr, UPCAST)
+                w_rows = wuq_ptr + ks[:, None] * stride_wk
+                w_n = dot_operand(w_rows + (first_col + nope)[None, :] * stride_wn,
+                                  k_mask[:, None] & (nope < D)[None, :], UPCAST)
+                w_mask = k_mask[:, None] & pair_mask[None, :]
+                rope_cols = w_rows + (first_col + D + 2 * pair)[None, :] * stride_wn
+                w_e = dot_operand(rope_cols, w_mask, UPCAST)
+                w_o = dot_operand(rope_cols + stride_wn, w_mask, UPCAST)
+                acc_n = tl.dot(normed, w_n, acc_n, input_precision=PRECISION)
+                acc_e = tl.dot(normed, w_e, acc_e, input_precision=PRECISION)
+                acc_o = tl.dot(normed, w_o, acc_o, input_precision=PRECISION)
+            out_rows = rows * N + head
+            # qq is rounded to the input dtype (CANN) before the rope and the absorption.
+            even = widen(rounded_for(acc_e, cq_ptr))
+            odd = widen(rounded_for(acc_o, cq_ptr))
+            low = rows[:, None] * DR + pair[None, :]
+            high = low + DR // 2
+            mask = row_mask[:, None] & pair_mask[None, :]
+            rope_out = rope_ptr + out_rows[:, None] * DR + pair[None, :]
+            # Output j < DR/2 pairs x[2j] with x[2j+1]; j >= DR/2 pairs x[2j-DR+1] with
+            # x[2j-DR]: the tables' two halves.
+            cos = widen(tl.load(cos_ptr + low, mask=mask, other=0.0))
+            sin = widen(tl.load(sin_ptr + low, mask=mask, other=0.0))
+            tl.store(rope_out, rounded_for(even * cos - odd * sin, rope_ptr), mask=mask)
+            cos = widen(tl.load(cos_ptr + high, mask=mask, other=0.0))
+            sin = widen(tl.load(sin_ptr + high, mask=mask, other=0.0))
+            tl.store(rope_out + DR // 2, rounded_for(odd * cos + even * sin, rope_ptr),
+                     mask=mask)
+            q_nope = as_dot_operand(acc_n, cq_ptr, UPCAST)
+            for chunk in range(0, HCKV, BLOCK_C):
+                cols = chunk + tl.arange(0, BLOCK_C)
+                col_mask = cols < HCKV
+                w_uk = dot_operand(wuk_ptr + head * stride_uh + nope[:, None] * stride_ud
+                                   + cols[None, :] * stride_uc,
+                                   (nope < D)[:, None] & col_mask[None, :], UPCAST)
+                query = tl.dot(q_nope, w_uk, input_precision=PRECISION)
+                at = out_rows[:, None] * HCKV + cols[None, :]
+                tl.store(query_ptr + at, rounded_for(query, query_ptr),
+                         mask=row_mask[:, None] & col_mask[None, :])
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
@@ -694,23 +827,17 @@ def launch_torch(plan: object, inputs: Sequence[torch.Tensor | None],
     _write_rows(inputs[11], kr, inputs[9], plan.attrs["cache_mode"], col0)
 
 
-@MLA_PROLOG.launcher("triton")
-def launch(plan: object, inputs: Sequence[torch.Tensor | None],
-           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """The query path through opforge's matmul, rms_norm and rope (their plans run
-    directly, kept with this plan as its steps: this launcher is already below the
-    dispatcher, and a decode call is bound by host time); the KV path in the fused
-    kernel."""
-    (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
-     kv_cache, kr_cache) = inputs
-    _checked_call(plan, inputs)
+def _query_steps(plan: object, inputs: Sequence[torch.Tensor], cq: torch.Tensor,
+                 outputs: Sequence[torch.Tensor]) -> None:
+    """The query path after the down-projection through opforge's rms_norm, matmul and
+    rope (their plans run directly, kept with this plan as its steps: this launcher is
+    already below the dispatcher)."""
+    w_uq_qr, w_uk, gamma_cq, sin, cos = (inputs[i] for i in (2, 3, 5, 7, 8))
     n, d, hckv = w_uk.shape
-    dr = sin.shape[-1]
-    x = token_x.reshape(-1, token_x.shape[-1])
-    t = x.shape[0]
-    cq, _ = plan.run_step("norm_cq", "rms_norm", plan.run_step("down", "matmul", x, w_dq),
-                          gamma_cq, eps=plan.attrs["rmsnorm_epsilon_cq"])
-    qq = plan.run_step("up", "matmul", cq, w_uq_qr).view(t, n, d + dr)
+    t, dr = cq.shape[0], sin.shape[-1]
+    normed, _ = plan.run_step("norm_cq", "rms_norm", cq, gamma_cq,
+                              eps=plan.attrs["rmsnorm_epsilon_cq"])
+    qq = plan.run_step("up", "matmul", normed, w_uq_qr).view(t, n, d + dr)
     # The absorbed product per head, (N, T, Hckv), written straight into the (T, N, Hckv)
     # output through a transposed view: no copy of the largest intermediate.
     plan.run_step("absorb", "matmul", qq[..., :d].transpose(0, 1), w_uk,
@@ -718,12 +845,41 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     tables = (cos.reshape(t, 1, dr), sin.reshape(t, 1, dr))
     plan.run_step("rope_q", "rope", qq[..., d:], *tables, out=outputs[1].view(t, n, dr),
                   mode="interleave_half")
+
+
+@MLA_PROLOG.launcher("triton")
+def launch(plan: object, inputs: Sequence[torch.Tensor | None],
+           outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """The down-projection through opforge's matmul; for a decode step (variant
+    ``fused_kv_query``) the rest of the query path in `_mla_query_kernel`, else through
+    `_query_steps`; the KV path in the fused kernel (and its merge when He is sliced)."""
+    (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
+     kv_cache, kr_cache) = inputs
+    _checked_call(plan, inputs)
+    n, d, hckv = w_uk.shape
+    dr = sin.shape[-1]
+    x = token_x.reshape(-1, token_x.shape[-1])
+    t, he = x.shape
+    cq = plan.run_step("down", "matmul", x, w_dq)
     rows_cos = cos.reshape(t, dr).contiguous()
     rows_sin = sin.reshape(t, dr).contiguous()
     tiling = plan.tiling
     blocks = tiling.blocks
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = backends.interpreter_enabled()
+    if tiling.variant == "fused_kv_query" and not wide_offsets(w_uq_qr, w_uk, outputs[0]):
+        warps = tiling.options.get("query_warps")
+        _mla_query_kernel[(min(cdiv(t, blocks["QUERY_T"]) * n, MAX_PROGRAMS),)](
+            cq, gamma_cq.contiguous(), w_uq_qr, w_uk, rows_cos, rows_sin, *outputs, t, n,
+            cq.shape[1], d, dr, hckv, plan.attrs["rmsnorm_epsilon_cq"], *w_uq_qr.stride(),
+            *w_uk.stride(),
+            UPCAST=upcast, PRECISION=precision, BLOCK_T=blocks["QUERY_T"],
+            BLOCK_K=blocks["QUERY_K"], BLOCK_D=blocks["BLOCK_D"], BLOCK_H=blocks["QUERY_H"],
+            BLOCK_C=blocks["QUERY_C"],
+            **{**launch_options(tiling), **({"num_warps": warps} if warps else {})})
+    else:
+        _query_steps(plan, inputs, cq, outputs)
     slices = plan.grid[1]
-    he = x.shape[1]
     k_per_slice = split_steps(cdiv(he, blocks["BLOCK_K"]), slices)[0] * blocks["BLOCK_K"]
     # What the norm, rope and scatter of the rows read and write, and their sizes.
     row_tensors = (gamma_ckv.contiguous(), rows_cos, rows_sin,
@@ -737,10 +893,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
               "BLOCK_C": blocks["BLOCK_C"], "BLOCK_R": blocks["BLOCK_R"]}
     _mla_kv_kernel[plan.grid](
         x, w_dkv_kr, *row_tensors, partials, t, he, k_per_slice, *x.stride(),
-        *w_dkv_kr.stride(), *row_sizes, SLICED=slices > 1,
-        UPCAST=backends.interpreter_enabled(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_T=blocks["BLOCK_T"], BLOCK_K=blocks["BLOCK_K"], **common, **launch_options(tiling))
+        *w_dkv_kr.stride(), *row_sizes, SLICED=slices > 1, UPCAST=upcast,
+        PRECISION=precision, BLOCK_T=blocks["BLOCK_T"], BLOCK_K=blocks["BLOCK_K"], **common,
+        **launch_options(tiling))
     if slices > 1:
         warps = gpu_warps(MERGE_ROWS * (blocks["BLOCK_C"] + 2 * blocks["BLOCK_R"]),
                           plan.hardware)
