@@ -159,7 +159,7 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
 
     def implementation(*args: Any) -> Any:
         tensors, attrs = _split(opdef, full(args))
-        return plan(opdef, *tensors, **attrs).run(*tensors)
+        return plan(opdef, *tensors, **attrs).run_planned(tensors)
 
     def fake(*args: Any) -> Any:
         tensors, attrs = _split(opdef, full(args))

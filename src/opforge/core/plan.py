@@ -249,6 +249,13 @@ class Plan:
         """
         return self._observed(self._check_inputs(tensors), out, workspace)
 
+    def run_planned(self, tensors: Sequence[torch.Tensor | None]) -> Any:
+        """`run` into fresh outputs without the input checks, for a caller that got this
+        plan from `plan` with these very tensors, one per prototype input (the torch
+        operator's implementation): the plan-cache key it matched, or the validation it
+        was built by, already covered their presence, shapes, dtypes and devices."""
+        return self._observed(tensors, None, None)
+
     def _observed(self, inputs: Sequence[torch.Tensor | None],
                   out: torch.Tensor | Sequence[torch.Tensor] | None,
                   workspace: torch.Tensor | None) -> Any:
