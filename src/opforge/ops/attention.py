@@ -791,24 +791,32 @@ if triton is not None:
                       stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV,
                       qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                      DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """One key block of the online softmax: scores in the log2 domain, float32 running
-        max ``m_i`` and sum ``l_i``."""
+                      DESCRIPTORS: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """One key block of the online softmax: scores in the log2 domain (scale * log2(e)
+        applied in float32, then exp2), float32 running max ``m_i`` and sum ``l_i``. With
+        ``FOLD_SCALE`` (a positive scale, which commutes with the max) the block's max is
+        taken of the raw products and scaled once per row, and each score's scaling and
+        subtraction of the max are one FMA: one float32 operation less per score, the
+        unit that bounds the loop beside the tensor cores."""
         keys_t = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, True,
                              DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
         values = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV, False,
                              DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
-        # scale * log2(e) in one float32 multiply of the float32 scores, then exp2.
-        scores = tl.dot(q, keys_t, input_precision=PRECISION) * qk_scale
+        scores = tl.dot(q, keys_t, input_precision=PRECISION)
+        if FOLD_SCALE:
+            fold = qk_scale
+        else:
+            scores = scores * qk_scale
+            fold = 1.0
         if MASKED:
             cols = first_col + tl.arange(0, BLOCK_N)
             scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
                               scores, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * fold)
         # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
+        p = tl.exp2(scores * fold - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(as_dot_operand(p, v_base, UPCAST), values,
@@ -821,7 +829,8 @@ if triton is not None:
                       qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                      FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr):
         """The online softmax over the key blocks in [start, end). ``WARP_SPECIALIZE``
         asks Triton to split the loop into producer (TMA copies) and consumer warps; the
         keyword exists only in Triton versions that have it, so the plain loop never
@@ -831,13 +840,15 @@ if triton is not None:
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, FOLD_SCALE, BLOCK_N,
+                    BLOCK_D, BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, FOLD_SCALE, BLOCK_N,
+                    BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
     @triton.jit
@@ -847,8 +858,9 @@ if triton is not None:
             stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D,
             DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-            EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, FOLD_SCALE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_M`` rows and one slice of the keys (``program_id(2)``; one
         slice holding every key unless the keys are split): out and lse of the slice, into
         ``out``/``lse`` or, split, into the float32 partials of slice ``program_id(2)``
@@ -903,12 +915,13 @@ if triton is not None:
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           split_start, full_end, Sk, offset, D, DV, qk_scale,
                                           CAUSAL, False, UPCAST, PRECISION, DESCRIPTORS,
-                                          WARP_SPECIALIZE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                          WARP_SPECIALIZE, FOLD_SCALE, BLOCK_N, BLOCK_D,
+                                          BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           masked_start, end, Sk, offset, D, DV, qk_scale,
                                           CAUSAL, True, UPCAST, PRECISION, DESCRIPTORS, False,
-                                          BLOCK_N, BLOCK_D, BLOCK_DV)
+                                          FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
@@ -1228,7 +1241,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
             q, k, v, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split, qk_scale,
             *q.stride(), *k.stride(), *v.stride(), d, dv, DESCRIPTORS=descriptors,
             WARP_SPECIALIZE=warp_specialize,
-            EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack, **options)
+            EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
+            FOLD_SCALE=qk_scale > 0, **options)
     if splits > 1:
         # Warps for the merge's float32 tiles (4 spill them at Dv = 128 on sm_90).
         warps = gpu_warps(MERGE_ROWS * options["BLOCK_DV"], plan.hardware)
