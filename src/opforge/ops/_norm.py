@@ -11,7 +11,7 @@ merging per-block (count, mean, M2) statistics with Chan's formula (``looped``),
 eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight + bias``.
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
-x_hat))`` (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
+x_hat))`` (``rows``: ``x_hat`` recentred where the forward corrected its deviations) (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
 ``grad_bias = sum grad`` over rows: each program sums its rows into its own row of float32
 partials in the workspace (in registers while whole rows fit on chip, written once at the
 end; a looped row's blocks are added in memory), and a second kernel sums the partials in
@@ -342,6 +342,14 @@ if triton is not None:
                 grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
                                                   stride_g, stride_x, N, mean, rstd,
                                                   HAS_WEIGHT)
+                if CENTER:
+                    # The saved mean is the forward's rough one: on a row whose mean stands
+                    # beyond its spread, x - mean is exact but off by the mean's rounding,
+                    # and the mean of x_hat is that error (in units of the spread): taken
+                    # out, as the forward's corrected pass did, x_hat is the forward's.
+                    offset = (mean * mean * rstd * rstd > 1.0) & (tl.abs(mean) < float("inf"))
+                    drift = tl.where(offset, tl.sum(x_hat, axis=0) / N, 0.0)
+                    x_hat = tl.where(cols < N, x_hat - drift, 0.0)
                 mean_gx = tl.sum(grad_w * x_hat, axis=0) / N
                 if CENTER:
                     mean_g = tl.sum(grad_w, axis=0) / N

@@ -14,7 +14,9 @@ does. ``normalized_shape=None`` normalises the last dim.
 ``layer_norm_backward(grad, x, mean, rstd, weight, bias, normalized_shape) -> (grad_x,
 grad_weight, grad_bias)``; the weight and bias gradients are reduced from per-program
 float32 partials in a fixed order (deterministic, no atomics) and are empty when the
-forward had no weight or bias.
+forward had no weight or bias. From the saved (rough) mean, the rows variant takes the
+mean's rounding out of ``x_hat`` as the forward did, so on rows like ``1e4 + N(0, 1)`` both
+gradients stay within a few float32 ulps too (torch's float32 backward: about 2e-4).
 
 Tiling variants, kernels and launchers are `opforge.ops._norm`'s, with centering.
 """
