@@ -1,14 +1,20 @@
 """Test set-up: Triton's interpreter on machines without a GPU (it must be on before the
-kernels are defined), NaN-poisoned outputs, hypothesis profiles, and the golden check."""
+kernels are defined), a fresh torch.compile cache, NaN-poisoned outputs, hypothesis
+profiles, and the golden check."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's FX-graph and AOTAutograd caches key on the traced graph, not on an operator's
+# Python autograd formula: a cache left by an earlier version of the code replays that
+# version's backward graph. Each test run compiles into its own directory.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opforge-inductor-"))
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -59,37 +59,52 @@ def test_offset_data_that_breaks_the_naive_variance(profile):
     assert_golden(LAYER_NORM, Case("offset", (x, None, None)), (y, mean, rstd))
 
 
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("offset", [1e4, 1e6])
-def test_offset_rows_backward_is_exact_to_a_few_ulps(offset):
-    """The backward of rows far from zero (offset + N(0, 1), float32) from the forward's
-    saved (rough) mean: the rows variant takes the mean's rounding error out of x_hat as
-    the forward did, so grad_x and grad_weight are within 8 eps of the float64 gradients
-    of the same float32 data (relative to their largest magnitude), where torch's own
-    float32 backward is off by about 2e-4 at 1e4 (and without the correction opforge's
-    grad_weight was off by 4.5e-4)."""
+def test_offset_rows_gradients_are_exact_to_a_few_ulps(offset, profile):
+    """Autograd through layer_norm on rows far from zero (offset + N(0, 1), float32): the
+    backward gets the forward's rough saved mean with ``recentre=True`` and takes the
+    mean's rounding out of x_hat, so with the rows variant grad_x and grad_weight are
+    within 8 eps of the float64 gradients of the same float32 data (relative to their
+    largest magnitude), where torch's own float32 backward is off by about 2e-4 at 1e4.
+    The looped variant's statistics come from Chan's merge of rounded block means (rstd
+    off by ~5e-6 at 1e4, ~1e-3 at 1e6), which bounds it: at least 10x better than torch
+    there, and better than without recentring.
+    Without recentring, the backward is the formula with the given mean (aten's and
+    CANN's contract): within the dtype's bound of that golden, and off the exact
+    gradient by far more than 8 eps."""
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(16, 2049, generator=generator, dtype=torch.float64) + offset).float()
     grad = torch.randn(16, 2049, generator=generator).float()
     weight = (1 + 0.1 * torch.randn(2049, generator=generator)).float()
     bias = (0.1 * torch.randn(2049, generator=generator)).float()
     leaves = [t.double().requires_grad_() for t in (x, weight, bias)]
-    golden = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], (2049,), *leaves[1:]),
-                                 leaves[:2], grad.double())
+    exact = torch.autograd.grad(torch.nn.functional.layer_norm(leaves[0], (2049,), *leaves[1:]),
+                                leaves[:2], grad.double())
     x, grad, weight, bias = (t.to(DEVICE) for t in (x, grad, weight, bias))
-    with opforge.use_backend("triton"), opforge.use_hardware("cpu"):
+    ours = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    with opforge.use_backend("triton"), opforge.use_hardware(
+            SMALL if profile == "small" else profile):
         _, mean, rstd = opforge.plan(LAYER_NORM, x, weight, bias).run(x, weight, bias)
         backward = opforge.plan(BACKWARD, grad, x, mean, rstd, weight, bias)
-        assert backward.tiling.variant == "rows"
-        grad_x, grad_weight, _ = backward.run(grad, x, mean, rstd, weight, bias)
-    theirs = [t.requires_grad_() for t in (x.clone(), weight.clone(), bias.clone())]
+        assert backward.tiling.variant == PROFILES[profile]
+        plain = backward.run(grad, x, mean, rstd, weight, bias)
+        recentred = torch.autograd.grad(opforge.layer_norm(ours[0], 2049, *ours[1:]), ours[:2],
+                                        grad)
+    theirs = [t.clone().requires_grad_() for t in (x, weight, bias)]
     torch_grads = torch.autograd.grad(
         torch.nn.functional.layer_norm(theirs[0], (2049,), *theirs[1:]), theirs[:2], grad)
-    for ours, torch_own, exact in zip((grad_x, grad_weight), torch_grads, golden):
-        scale = exact.abs().max()
-        ours_error = ((ours.cpu().double() - exact).abs().max() / scale).item()
-        torch_error = ((torch_own.cpu().double() - exact).abs().max() / scale).item()
-        assert ours_error < 8 * 2.0**-23, (ours_error, torch_error)
-        assert torch_error > 10 * ours_error  # the data does break float32 x - mean
+
+    def error(result: torch.Tensor, golden: torch.Tensor) -> float:
+        return ((result.cpu().double() - golden).abs().max() / golden.abs().max()).item()
+
+    for index in range(2):
+        ours_error = error(recentred[index], exact[index])
+        if PROFILES[profile] == "rows":
+            assert ours_error < 8 * 2.0**-23
+        assert error(torch_grads[index], exact[index]) > 10 * ours_error
+        assert error(plain[index], exact[index]) > max(8 * 2.0**-23, ours_error)
+    assert_golden(BACKWARD, Case("offset", (grad, x, mean, rstd, weight, bias)), plain)
 
 
 @pytest.mark.parametrize("profile", PROFILES)

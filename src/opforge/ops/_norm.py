@@ -11,7 +11,8 @@ merging per-block (count, mean, M2) statistics with Chan's formula (``looped``),
 eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight + bias``.
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
-x_hat))`` (``rows``: ``x_hat`` recentred where the forward corrected its deviations) (no ``mean(g)`` term without ``CENTER``), and ``grad_weight = sum grad * x_hat``,
+x_hat))`` (no ``mean(g)`` term without ``CENTER``; with ``RECENTRE``, x_hat less its row
+mean where the mean stands beyond the spread), ``grad_weight = sum grad * x_hat`` and
 ``grad_bias = sum grad`` over rows: each program sums its rows into its own row of float32
 partials in the workspace (in registers while whole rows fit on chip, written once at the
 end; a looped row's blocks are added in memory), and a second kernel sums the partials in
@@ -269,6 +270,11 @@ if triton is not None:
             return grad, x_hat, grad
 
     @triton.jit
+    def _offset_row(mean, rstd):
+        """Whether a row's finite mean stands beyond its spread (mean^2 > 1 / rstd^2)."""
+        return (mean * mean * rstd * rstd > 1.0) & (tl.abs(mean) < float("inf"))
+
+    @triton.jit
     def _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets, N):
         """grad_x of one block of a row."""
         dx = rstd * (grad_w - mean_g - x_hat * mean_gx)
@@ -277,13 +283,16 @@ if triton is not None:
     @triton.jit
     def norm_backward_kernel(grad_ptr, x_ptr, mean_ptr, rstd_ptr, weight_ptr, dx_ptr,
                              partial_ptr, M, N, stride_g, stride_x, CENTER: tl.constexpr,
-                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             RECENTRE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                             HAS_BIAS: tl.constexpr,
                              LOOPED: tl.constexpr, WIDE: tl.constexpr,
                              BLOCK_N: tl.constexpr):
         """grad_x row by row, and the program's weight and bias terms summed over its rows
         into its own row of float32 partials (a row of the workspace no other program
         touches). With whole rows on chip the sums stay in registers until the program
-        ends; a looped row adds its blocks to the partials in memory."""
+        ends; a looped row adds its blocks to the partials in memory. ``RECENTRE`` (the
+        mean is the forward's rough float32 mean of x): x_hat less its row mean where the
+        mean stands beyond the spread, as the forward's corrected pass."""
         cols = tl.arange(0, BLOCK_N)
         program = tl.program_id(0)
         programs = tl.num_programs(0)
@@ -313,13 +322,18 @@ if triton is not None:
             if LOOPED:
                 sum_g = 0.0
                 sum_gx = 0.0
+                sum_x = 0.0
                 for start in range(0, N, BLOCK_N):
                     grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
                                                       start + cols, stride_g, stride_x, N,
                                                       mean, rstd, HAS_WEIGHT)
                     sum_g += tl.sum(grad_w, axis=0)
                     sum_gx += tl.sum(grad_w * x_hat, axis=0)
-                mean_gx = sum_gx / N
+                    sum_x += tl.sum(x_hat, axis=0)
+                drift = 0.0
+                if RECENTRE:  # as in the rows branch below; sum(g (x_hat - drift)) follows
+                    drift = tl.where(_offset_row(mean, rstd), sum_x / N, 0.0)
+                mean_gx = (sum_gx - drift * sum_g) / N
                 if CENTER:
                     mean_g = sum_g / N
                 else:
@@ -329,6 +343,7 @@ if triton is not None:
                     grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
                                                       offsets, stride_g, stride_x, N, mean,
                                                       rstd, HAS_WEIGHT)
+                    x_hat = tl.where(offsets < N, x_hat - drift, 0.0)
                     _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets,
                                   N)
                     mask = offsets < N
@@ -342,13 +357,12 @@ if triton is not None:
                 grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
                                                   stride_g, stride_x, N, mean, rstd,
                                                   HAS_WEIGHT)
-                if CENTER:
+                if RECENTRE:
                     # The saved mean is the forward's rough one: on a row whose mean stands
                     # beyond its spread, x - mean is exact but off by the mean's rounding,
                     # and the mean of x_hat is that error (in units of the spread): taken
                     # out, as the forward's corrected pass did, x_hat is the forward's.
-                    offset = (mean * mean * rstd * rstd > 1.0) & (tl.abs(mean) < float("inf"))
-                    drift = tl.where(offset, tl.sum(x_hat, axis=0) / N, 0.0)
+                    drift = tl.where(_offset_row(mean, rstd), tl.sum(x_hat, axis=0) / N, 0.0)
                     x_hat = tl.where(cols < N, x_hat - drift, 0.0)
                 mean_gx = tl.sum(grad_w * x_hat, axis=0) / N
                 if CENTER:
@@ -422,8 +436,10 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
                     mean: torch.Tensor | None, rstd: torch.Tensor,
                     weight: torch.Tensor | None, has_bias: bool, grad_x: torch.Tensor,
                     grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
-                    workspace: torch.Tensor | None, center: bool) -> None:
-    """grad_x row by row; grad_weight and grad_bias from per-program partials."""
+                    workspace: torch.Tensor | None, center: bool, recentre: bool = False
+                    ) -> None:
+    """grad_x row by row; grad_weight and grad_bias from per-program partials;
+    ``recentre``: see `norm_backward_kernel`."""
     grad_rows, x_rows = as_rows(grad, cols), as_rows(x, cols)
     rows = x_rows.shape[0]
     programs = plan.grid[0]
@@ -433,9 +449,10 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
         grad_rows, x_rows, mean if mean is not None else rstd,
         rstd, _flat(weight) if weight is not None else x_rows,
         grad_x, partials, rows, cols, grad_rows.stride(0), x_rows.stride(0),
-        CENTER=center, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-        LOOPED=tiling.variant == "looped", WIDE=_wide(rows, cols, grad_rows, x_rows),
-        BLOCK_N=tiling.blocks["BLOCK_N"], **launch_options(tiling))
+        CENTER=center, RECENTRE=center and recentre, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=has_bias, LOOPED=tiling.variant == "looped",
+        WIDE=_wide(rows, cols, grad_rows, x_rows), BLOCK_N=tiling.blocks["BLOCK_N"],
+        **launch_options(tiling))
     sums = [out for out in (grad_weight, grad_bias) if out is not None]
     for index, out in enumerate(sums):
         sum_partials_kernel[(max(1, min(cdiv(cols, SUM_BLOCK), MAX_PROGRAMS)),)](

@@ -14,9 +14,13 @@ does. ``normalized_shape=None`` normalises the last dim.
 ``layer_norm_backward(grad, x, mean, rstd, weight, bias, normalized_shape) -> (grad_x,
 grad_weight, grad_bias)``; the weight and bias gradients are reduced from per-program
 float32 partials in a fixed order (deterministic, no atomics) and are empty when the
-forward had no weight or bias. From the saved (rough) mean, the rows variant takes the
-mean's rounding out of ``x_hat`` as the forward did, so on rows like ``1e4 + N(0, 1)`` both
-gradients stay within a few float32 ulps too (torch's float32 backward: about 2e-4).
+forward had no weight or bias. ``x_hat = (x - mean) * rstd`` from the given statistics,
+as aten's and CANN's backward compute it; with ``recentre=True`` (what the autograd
+formula passes: its mean is the forward's own rough float32 mean) the rows variant takes
+the mean's rounding out of ``x_hat`` as the forward took it out of y, so on rows like
+``1e4 + N(0, 1)`` both gradients stay within a few float32 ulps of the exact gradient
+(torch's float32 backward: about 2e-4). The looped variant and the torch backend's
+reference recentre alike (the reference on every row that qualifies).
 
 Tiling variants, kernels and launchers are `opforge.ops._norm`'s, with centering.
 """
@@ -60,6 +64,10 @@ from opforge.precision.cases import generate
 NORMALIZED_SHAPE = Attr("normalized_shape", "ints", None, range=(0, None),
                         doc="trailing dims to normalise (None: the last dim)")
 EPS = Attr("eps", "float", 1e-5, range=(0.0, None), doc="added to the variance")
+RECENTRE = Attr("recentre", "bool", False,
+                doc="mean is the forward's own rough float32 mean of x (the autograd formula "
+                    "says so): its rounding is taken out of x_hat where the mean stands "
+                    "beyond the spread, as the forward took it out of y")
 
 
 def _normalized(shape: Sequence[int], attrs: Attrs) -> tuple[int, ...]:
@@ -259,9 +267,9 @@ def _torch_layer_norm(x: torch.Tensor, weight: torch.Tensor | None,
 def _torch_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                                rstd: torch.Tensor, weight: torch.Tensor | None,
                                bias: torch.Tensor | None,
-                               normalized_shape: Sequence[int] | None, eps: float
-                               ) -> tuple[torch.Tensor, ...]:
-    """torch.ops.aten.native_layer_norm_backward"""
+                               normalized_shape: Sequence[int] | None, eps: float,
+                               recentre: bool = False) -> tuple[torch.Tensor, ...]:
+    """torch.ops.aten.native_layer_norm_backward (which has no recentring)"""
     normalized = _normalized(x.shape, {"normalized_shape": normalized_shape})
     kept = (*x.shape[:x.ndim - len(normalized)], *([1] * len(normalized)))
     # aten keeps the statistics of 16-bit inputs in float32 on CUDA, in the input dtype on
@@ -307,7 +315,7 @@ LAYER_NORM_BACKWARD = OpDef(
             TensorArg("rstd", (torch.float32,)), TensorArg("weight", FLOAT_DTYPES, optional=True),
             TensorArg("bias", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight"), OutputArg("grad_bias")),
-    attrs=(NORMALIZED_SHAPE, EPS), infer_shape=_backward_shapes,
+    attrs=(NORMALIZED_SHAPE, EPS, RECENTRE), infer_shape=_backward_shapes,
     infer_dtype=_backward_dtypes, check=_check("layer_norm_backward", 1), cost=_cost(2),
     tiling=norm.tiling(_backward_geometry, 2),
     grid=norm.grid(_backward_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
@@ -351,14 +359,21 @@ def reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
 def backward_reference(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                        rstd: torch.Tensor, weight: torch.Tensor | None,
                        bias: torch.Tensor | None, *, compute_dtype: torch.dtype,
-                       normalized_shape: Sequence[int] | None, eps: float
+                       normalized_shape: Sequence[int] | None, eps: float,
+                       recentre: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weight, grad_bias) in ``compute_dtype`` from the saved statistics."""
+    """(grad_x, grad_weight, grad_bias) in ``compute_dtype`` from the saved statistics;
+    ``recentre``: x_hat less its row mean where ``mean^2 * rstd^2 > 1`` (a finite mean
+    beyond the spread)."""
     normalized = _normalized(x.shape, {"normalized_shape": normalized_shape})
     cols = math.prod(normalized)
     grad_rows = grad.to(compute_dtype).reshape(-1, cols)
-    x_hat = ((x.to(compute_dtype).reshape(-1, cols) - mean.to(compute_dtype).reshape(-1, 1))
-             * rstd.to(compute_dtype).reshape(-1, 1))
+    row_mean = mean.to(compute_dtype).reshape(-1, 1)
+    row_rstd = rstd.to(compute_dtype).reshape(-1, 1)
+    x_hat = (x.to(compute_dtype).reshape(-1, cols) - row_mean) * row_rstd
+    if recentre and x.numel():
+        offset = (row_mean * row_mean * row_rstd * row_rstd > 1) & row_mean.isfinite()
+        x_hat = x_hat - torch.where(offset, x_hat.mean(-1, keepdim=True), 0.0)
     g = grad_rows * (weight.to(compute_dtype).reshape(1, -1) if weight is not None else 1.0)
     if x.numel():
         grad_x = rstd.to(compute_dtype).reshape(-1, 1) * (
@@ -395,7 +410,8 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     _, cols = _backward_geometry(plan.inputs, plan.attrs)
     norm.launch_backward(plan, cols, grad, x, mean, rstd, weight, bias is not None, grad_x,
                          grad_weight if weight is not None else None,
-                         grad_bias if bias is not None else None, workspace, center=True)
+                         grad_bias if bias is not None else None, workspace, center=True,
+                         recentre=plan.attrs["recentre"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,10 +429,11 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[object
 @LAYER_NORM.autograd(_setup_context)
 def backward(ctx: object, grad_y: torch.Tensor, grad_mean: torch.Tensor | None,
              grad_rstd: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Through `layer_norm_backward`; mean and rstd are not differentiable."""
+    """Through `layer_norm_backward`, recentring x_hat (the saved mean is the forward's
+    own); mean and rstd are not differentiable."""
     x, mean, rstd, weight, bias = ctx.saved_tensors
     grad_x, grad_weight, grad_bias = torch.ops.opforge.layer_norm_backward(
-        grad_y, x, mean, rstd, weight, bias, ctx.normalized_shape, ctx.eps)
+        grad_y, x, mean, rstd, weight, bias, ctx.normalized_shape, ctx.eps, True)
     return (grad_x, grad_weight if weight is not None else None,
             grad_bias if bias is not None else None, None, None)
 
