@@ -177,13 +177,13 @@ def test_fused_query_kernel_over_token_blocks_and_latent_chunks(query_path):
     latent width of 160 (two 128-column chunks of the absorbed product, the second
     partial), nope and rope dims that are not powers of two for the blocks, a
     non-contiguous gamma_cq; NaN-poisoned outputs, against the float64 golden, both
-    query paths (they must agree with each other to a bf16 ulp as well)."""
+    query paths."""
     inputs = _inputs(80, seed=5, he=72, hcq=40, hckv=160, n=3, d=24, dr=16, blocks=8)
     inputs[5] = torch.stack([inputs[5], torch.zeros_like(inputs[5])], 1)[:, 0]
     assert not inputs[5].is_contiguous()
     with opforge.use_backend("triton"):
         outputs = _run([t.clone() for t in inputs])
-    assert_golden(MLA, Case("query_blocks", inputs), (*outputs[:2], *outputs[2:]))
+    assert_golden(MLA, Case("query_blocks", inputs), outputs)
 
 
 def test_a_decode_step_fuses_the_query_path_into_one_launch(monkeypatch):
