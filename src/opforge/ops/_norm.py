@@ -5,10 +5,12 @@ A norm works on rows of ``N = prod(normalized dims)`` elements. With ``CENTER`` 
 the row mean is subtracted and the variance is the mean squared deviation, computed by two
 passes over the row in registers (``rows``: for a row whose mean stands beyond its spread,
 a corrected second pass takes the rough mean's rounding out of the deviations) or by
-merging per-block (count, mean, M2) statistics with Chan's formula (``looped``), never by
-``E[x^2] - E[x]^2``, which cancels catastrophically for data far from zero. Without it
-(RMSNorm) the mean is 0 and the "variance" is ``mean(x^2)``. ``rstd = 1 / sqrt(var +
-eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight + bias``.
+merging per-block (count, mean, M2) statistics of ``x - x[0]`` with Chan's formula
+(``looped``: the shifted values are formed exactly, so rows far from zero normalise to a
+few ulps there too), never by ``E[x^2] - E[x]^2``, which cancels catastrophically for data
+far from zero. Without it (RMSNorm) the mean is 0 and the "variance" is ``mean(x^2)``.
+``rstd = 1 / sqrt(var + eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight +
+bias``.
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
 x_hat))`` (no ``mean(g)`` term without ``CENTER``; with ``RECENTRE``, x_hat less its row
@@ -187,6 +189,17 @@ if triton is not None:
                 count = 0.0
                 mean = tl.zeros([BLOCK_M], dtype=tl.float32)
                 m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if CENTER:
+                    # Shifted data: statistics of x - x[0]. Far from zero (1e6 + N(0, 1))
+                    # the block means themselves would round by 0.03 and Chan's deltas and
+                    # x - mean inherit it; the shifted values are formed exactly and their
+                    # mean is small. |x[0] - mean| <= sqrt(N) * std bounds the cost of an
+                    # outlying first element. A non-finite x[0] shifts by nothing.
+                    first = tl.sum(_load_row_block(x_ptr, residual_ptr, rows,
+                                                   tl.zeros([1], dtype=tl.int32),
+                                                   row_mask[:, None], stride_x, stride_r,
+                                                   HAS_RESIDUAL), axis=1)
+                    shift = tl.where(tl.abs(first) < float("inf"), first, 0.0)
                 for start in range(0, N, BLOCK_N):
                     offsets = start + cols
                     mask = row_mask[:, None] & (offsets < N)[None, :]
@@ -197,6 +210,7 @@ if triton is not None:
                         tl.store(sums, rounded_for(s, sum_ptr), mask=mask)
                     if CENTER:
                         # Chan et al.: merge the block's (count, mean, M2) into the row's.
+                        s = tl.where(mask, s - shift[:, None], 0.0)
                         block_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
                         block_mean = tl.sum(s, axis=1) / block_count
                         deviation = tl.where(mask, s - block_mean[:, None], 0.0)
@@ -214,10 +228,14 @@ if triton is not None:
                     mask = row_mask[:, None] & (offsets < N)[None, :]
                     s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x,
                                         stride_r, HAS_RESIDUAL)
+                    if CENTER:
+                        s -= shift[:, None]
                     y = _affine((s - mean[:, None]) * rstd[:, None], weight_ptr, bias_ptr,
                                 offsets, N, HAS_WEIGHT, HAS_BIAS)
                     outs = y_ptr + rows[:, None] * N + offsets[None, :]
                     tl.store(outs, rounded_for(y, y_ptr), mask=mask)
+                if CENTER:
+                    mean += shift
             else:
                 mask = row_mask[:, None] & (cols < N)[None, :]
                 s = _load_row_block(x_ptr, residual_ptr, rows, cols, mask, stride_x, stride_r,

@@ -3,10 +3,11 @@
 ``layer_norm(x, weight, bias, normalized_shape, eps) -> (y, mean, rstd)`` as
 ``torch.ops.aten.native_layer_norm`` and CANN's LayerNorm: the mean and the variance of each
 row are float32 and computed stably (two passes in registers, or Chan's merge of per-block
-statistics for rows longer than the chip holds; never ``E[x^2] - E[x]^2``, which loses every
-digit for data like ``1e4 + N(0, 1)``; in registers the rough mean's rounding is taken out
-of the deviations of rows far from zero, so y stays within a few float32 ulps there, where
-torch's float32 LayerNorm loses about 1e-3), ``rstd = 1 / sqrt(var + eps)`` with the biased
+statistics of ``x - x[0]`` for rows longer than the chip holds; never ``E[x^2] - E[x]^2``,
+which loses every digit for data like ``1e4 + N(0, 1)``; in registers the rough mean's
+rounding is taken out of the deviations of rows far from zero, in blocks the shifted
+values are exact, so y stays within a few float32 ulps there either way, where torch's
+float32 LayerNorm loses about 1e-3), ``rstd = 1 / sqrt(var + eps)`` with the biased
 variance, ``y = (x - mean) * rstd * weight + bias``. ``mean`` and ``rstd`` are float32 with
 x's leading shape; `opforge.layer_norm` returns ``y`` as ``torch.nn.functional.layer_norm``
 does. ``normalized_shape=None`` normalises the last dim.
