@@ -49,6 +49,24 @@ def backend(request):
         yield request.param
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The Triton kernel launches of the test, in order, as ``(kernel name, keyword
+    arguments)`` (the constexprs and launch options): the kernels still run."""
+    from opforge.ops.softmax import _softmax_rows_kernel
+
+    kernel_type = type(_softmax_rows_kernel)  # JITFunction, or the interpreter's
+    recorded: list[tuple[str, dict[str, object]]] = []
+    real = kernel_type.run
+
+    def run(self, *args, **kwargs):
+        recorded.append((self.fn.__name__, kwargs))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", run)
+    return recorded
+
+
 def assert_golden(opdef: OpDef, case: Case, outputs: object) -> float:
     """Assert that ``outputs`` match the float64 golden of ``case`` within the dtype's
     bound (max_eps, see opforge.precision.metrics) with NaN/Inf where the golden has them

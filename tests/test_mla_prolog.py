@@ -186,29 +186,20 @@ def test_fused_query_kernel_over_token_blocks_and_latent_chunks(query_path):
     assert_golden(MLA, Case("query_blocks", inputs), outputs)
 
 
-def test_a_decode_step_fuses_the_query_path_into_one_launch(monkeypatch):
+def test_a_decode_step_fuses_the_query_path_into_one_launch(launches):
     """Up to FUSED_QUERY_TOKENS tokens, the query path after the down-projection is one
     kernel launch where the rms_norm, matmul (up, absorb) and rope steps make four, so a
     decode step makes three launches fewer (on the CPU: down-projection, query kernel,
     KV kernel)."""
     from opforge.ops import mla_prolog
 
-    kernel_type = type(mla_prolog._mla_kv_kernel)  # JITFunction, or the interpreter's
-    launched = []
-    real = kernel_type.run
-
-    def counted(self, *args, **kwargs):
-        launched.append(self.fn.__name__)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(kernel_type, "run", counted)
-    launches = {}
+    names = {}
     for tokens in (mla_prolog.FUSED_QUERY_TOKENS, mla_prolog.FUSED_QUERY_TOKENS + 1):
-        launched.clear()
+        launches.clear()
         with opforge.use_backend("triton"):
             _run(_inputs(tokens, seed=1, blocks=8))
-        launches[tokens] = list(launched)
-    fused, steps = launches[64], launches[65]
+        names[tokens] = [name for name, _ in launches]
+    fused, steps = names[64], names[65]
     with opforge.use_backend("triton"):
         plan = opforge.plan(MLA, *_inputs(64, blocks=8))
     flops, _ = kernel_costs(plan)["_mla_query_kernel"]  # the profiler's figure for it
@@ -218,6 +209,23 @@ def test_a_decode_step_fuses_the_query_path_into_one_launch(monkeypatch):
     assert len(steps) - len(fused) == 3
     if DEVICE.type == "cpu":
         assert fused == ["_matmul_kernel", "_mla_query_kernel", "_mla_kv_kernel"]
+
+
+def test_int64_offsets_when_a_tensor_passes_int32(monkeypatch, launches):
+    """A long prefill's token_x (T x He past 2**31 elements) switches the KV kernel to
+    int64 token offsets and the query path to its steps (which switch their own); forced
+    here on a small problem, whose results must not change: against the float64 golden,
+    with the launch arguments checked."""
+    from opforge.ops import mla_prolog
+
+    monkeypatch.setattr(mla_prolog, "wide_offsets", lambda *tensors: True)
+    inputs = _inputs(5, seed=3, he=40, hcq=24, hckv=32, n=2, d=16, dr=16, blocks=4)
+    with opforge.use_backend("triton"):
+        written = [t.clone() for t in inputs]
+        outputs = (*_run(written, cache_mode="PA_NZ")[:2], *written[10:])
+    wide = {name: kwargs.get("WIDE") for name, kwargs in launches}
+    assert wide["_mla_kv_kernel"] is True and "_mla_query_kernel" not in wide
+    assert_golden(MLA, Case("wide", inputs, {"cache_mode": "PA_NZ"}), outputs)
 
 
 @pytest.mark.parametrize("slices", [3, 40])

@@ -52,6 +52,20 @@ def test_samples_match_the_golden(op, dtype, backend):
             *case.inputs))
 
 
+def test_int64_row_offsets_give_the_same_routing(monkeypatch, launches):
+    """Rows x experts past int32 switch the kernel to int64 row offsets; forced on the
+    samples (launch argument checked), the results still match the golden."""
+    from opforge.ops import moe_gating
+
+    monkeypatch.setattr(moe_gating, "wide_offsets", lambda *tensors: True)
+    with opforge.use_backend("triton"):
+        for case in GATING.samples(torch.float32, DEVICE, torch.Generator().manual_seed(1)):
+            assert_golden(GATING, case, opforge.plan(GATING, *case.inputs, **case.attrs).run(
+                *case.inputs))
+    switches = [kwargs.get("WIDE") for name, kwargs in launches if name == "_gating_kernel"]
+    assert switches and all(switches)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deepseek_v3_routing_equals_its_gate(dtype, backend):
     x = _logits(64, 256, dtype, seed=2)

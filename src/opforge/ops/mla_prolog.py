@@ -654,17 +654,20 @@ if triton is not None:
                        partials_ptr, T, HE, K_SLICE, stride_xt, stride_xk, stride_wk, stride_wn,
                        HCKV, DR, eps, block_size, slot_count, SLICED: tl.constexpr,
                        NZ: tl.constexpr, COL0: tl.constexpr, UPCAST: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+                       PRECISION: tl.constexpr, WIDE: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         """Per block of tokens and slice ``program_id(1)`` of He (``K_SLICE`` long): the
         kv projection in float32, never stored in the input dtype. Unsliced, the RMSNorm,
         RoPE and cache scatter follow in the same program; sliced, the slice's sums go to
-        the partials for `_mla_kv_merge_kernel`."""
+        the partials for `_mla_kv_merge_kernel`. ``WIDE``: token offsets in int64 (a long
+        prefill's ``T x He`` passes int32)."""
         k_slice = tl.program_id(1)
         k_first = k_slice * K_SLICE
         k_end = tl.minimum(HE, k_first + K_SLICE)
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
             rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            if WIDE:
+                rows = rows.to(tl.int64)
             row_mask = rows < T
             acc_c, acc_p, acc_q = _kv_products(
                 x_ptr, w_ptr, rows, row_mask, k_first, k_end, HCKV, DR, stride_xt, stride_xk,
@@ -904,7 +907,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     _mla_kv_kernel[plan.grid](
         x, w_dkv_kr, *row_tensors, partials, t, he, k_per_slice, *x.stride(),
         *w_dkv_kr.stride(), *row_sizes, SLICED=slices > 1, UPCAST=upcast,
-        PRECISION=precision, BLOCK_T=blocks["BLOCK_T"], BLOCK_K=blocks["BLOCK_K"], **common,
+        PRECISION=precision, WIDE=wide_offsets(x), BLOCK_T=blocks["BLOCK_T"],
+        BLOCK_K=blocks["BLOCK_K"], **common,
         **launch_options(tiling))
     if slices > 1:
         warps = gpu_warps(MERGE_ROWS * (blocks["BLOCK_C"] + 2 * blocks["BLOCK_R"]),

@@ -50,7 +50,14 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.plan import plan as make_plan
-from opforge.core.tiling import MAX_PROGRAMS, cdiv, gpu_warps, launch_options, next_power_of_2
+from opforge.core.tiling import (
+    MAX_PROGRAMS,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+    wide_offsets,
+)
 from opforge.library import register_op
 from opforge.ops._rows import SHARED_ROW_STATISTIC
 from opforge.precision.cases import generate
@@ -478,8 +485,10 @@ if triton is not None:
     def _gating_kernel(x_ptr, bias_ptr, y_ptr, idx_ptr, out_ptr, R, E, EG, G, K, K_GROUP,
                        stride_x, scale, eps, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
                        GROUPED: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
-                       OUT_FLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+                       OUT_FLAG: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``BLOCK_M`` rows a program (persistently). ``WIDE``: row offsets in int64 (rows
+        x experts past int32)."""
         group = tl.arange(0, BLOCK_G)[None, :, None]
         member = tl.arange(0, BLOCK_EG)[None, None, :]
         expert = group * EG + member
@@ -490,6 +499,8 @@ if triton is not None:
             bias = widen(tl.load(bias_ptr + expert, mask=valid, other=0.0))
         for tile in range(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.num_programs(0)):
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
             row_mask = rows < R
             mask = row_mask[:, None, None] & valid
             x = widen(tl.load(x_ptr + rows[:, None, None] * stride_x + expert, mask=mask,
@@ -574,7 +585,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         SIGMOID=attrs["norm_type"] == 1, GROUPED=grouped,
         TOP2=attrs["group_select_mode"] == 1,
         RENORM=attrs["norm_type"] == 1 or attrs["renorm"] == 1, OUT_FLAG=attrs["out_flag"],
-        **plan.tiling.blocks, **launch_options(plan.tiling))
+        WIDE=wide_offsets(x, out), **plan.tiling.blocks, **launch_options(plan.tiling))
 
 
 @MOE_GATING_TOP_K_SOFTMAX.launcher("triton")
