@@ -373,6 +373,7 @@ def test_opcheck():
     (((1, 2, 5, 16), (1, 2, 5, 16), (1, 2, 6, 16)), opforge.ShapeError, "v"),
     (((1, 2, 5, 300), (1, 2, 5, 300), (1, 2, 5, 16)), opforge.ShapeError, "q"),
     (((1, 2, 5, 16), (1, 2, 5, 16), (1, 2, 5, 257)), opforge.ShapeError, "v"),
+    (((1, 0, 5, 16), (1, 2, 5, 16), (1, 2, 5, 16)), opforge.ShapeError, "q"),
 ])
 def test_bad_shapes_raise_before_any_kernel(shapes, error, param):
     tensors = [torch.randn(s, device=DEVICE) for s in shapes]
@@ -418,3 +419,25 @@ def test_a_nan_value_reaches_exactly_its_output_column(backend):
     v[0, 0, 2, 3] = math.nan
     out = opforge.attention(q, k, v)
     assert torch.isnan(out[..., 3]).all() and not torch.isnan(out[..., [0, 1, 2, 4]]).any()
+
+
+def test_a_nan_key_spreads_over_exactly_the_rows_that_see_it(backend):
+    """A NaN in a key makes the scores, out, lse and every gradient of the rows that see
+    that key NaN (as SDPA's out), on both backends; rows that see no key keep out 0 and lse
+    -inf, and rows that see only other keys stay finite (causal, Sk - Sq = -2: query i
+    sees keys up to i - 2), but for dq's NaN column (0 times the NaN of the key in
+    ``dq = dS K``, as IEEE products have it)."""
+    q, k, v = _qkv(1, 1, 1, 8, 6, 16)
+    k[0, 0, 5, 1] = math.nan
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = opforge.attention(*leaves, causal=True, return_lse=True)
+    assert torch.equal(out[0, 0, :2], torch.zeros_like(out[0, 0, :2]))
+    assert torch.isneginf(lse[0, 0, :2]).all()
+    assert torch.isfinite(out[0, 0, 2:7]).all() and torch.isfinite(lse[0, 0, 2:7]).all()
+    assert torch.isnan(out[0, 0, 7]).all() and torch.isnan(lse[0, 0, 7])
+    dq, dk, dv = torch.autograd.grad(out[0, 0, 7].sum(), leaves)
+    other_columns = [c for c in range(16) if c != 1]
+    assert torch.isnan(dq[0, 0, 7]).all() and torch.isfinite(dq[0, 0, :7, other_columns]).all()
+    assert torch.isnan(dk[0, 0, 5]).all() and torch.isnan(dv[0, 0, 5]).all()
+    everywhere = opforge.attention(q, k, v, return_lse=True)
+    assert all(torch.isnan(t).all() for t in everywhere)

@@ -100,6 +100,18 @@ def test_repeated_signature_never_replans():
     assert opforge.cache_stats().plan_misses == 2
 
 
+def test_attribute_values_equal_in_value_but_not_type_never_share_a_plan():
+    """k=2 cached must not let k=2.0 (an AttrError on its own) through."""
+    x = torch.randn(4, 8)
+    opforge.plan("moe_gating_top_k", x, None, k=2)
+    with pytest.raises(opforge.AttrError) as raised:
+        opforge.plan("moe_gating_top_k", x, None, k=2.0)
+    assert raised.value.param == "k"
+    opforge.plan("reduce_sum", x, dims=[1])
+    with pytest.raises(opforge.AttrError):
+        opforge.plan("reduce_sum", x, dims=[True])
+
+
 def test_nearby_shapes_share_a_tiling():
     opforge.plan("sigmoid", torch.ones(1000))
     opforge.plan("sigmoid", torch.ones(1001))   # same power-of-two bucket (1024)

@@ -88,6 +88,15 @@ def test_out_of_range_indices_raise(bad, backend):
     assert raised.value.param == "indices"
 
 
+@pytest.mark.parametrize("num_weights, width", [(0, 4), (3, 0)])
+def test_out_of_range_indices_raise_when_the_table_is_empty(num_weights, width, backend):
+    """No output element to write does not skip the check."""
+    grad = torch.randn(3, width, device=DEVICE)
+    indices = torch.tensor([0, 5, 1], device=DEVICE)
+    with pytest.raises(opforge.IndexRangeError):
+        opforge.embedding_dense_grad(grad, indices, num_weights)
+
+
 def test_padding_index_may_lie_outside_the_table_check():
     grad, indices = _data(positions=10, seed=6)
     indices[2] = 39
@@ -113,3 +122,19 @@ def test_nn_embedding_matches_torch_and_uses_the_operator(backend):
     assert (ours.weight.grad[2] == 0).all()
     with pytest.raises(opforge.UnsupportedError):
         opforge.nn.Embedding(3, 2, max_norm=1.0)
+    for padding_idx in (3, -4):
+        with pytest.raises(opforge.AttrError) as raised:
+            opforge.nn.Embedding(3, 2, padding_idx=padding_idx)
+        assert raised.value.param == "padding_idx"
+
+
+def test_nn_embedding_in_float64_for_gradcheck(backend):
+    """A float64 table (gradcheck's) takes the torch backend's float64 path."""
+    table = opforge.nn.Embedding(6, 3, padding_idx=1, dtype=torch.float64)
+    indices = torch.tensor([[0, 1, 5], [5, 2, 0]])
+    (table(indices) * torch.arange(18.0, dtype=torch.float64).view(2, 3, 3)).sum().backward()
+    expected = torch.zeros(6, 3, dtype=torch.float64)
+    for position, index in enumerate(indices.flatten().tolist()):
+        if index != 1:
+            expected[index] += torch.arange(3.0, dtype=torch.float64) + 3 * position
+    assert torch.equal(table.weight.grad, expected)

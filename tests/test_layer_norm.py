@@ -35,9 +35,10 @@ def test_offset_data_that_breaks_the_naive_variance(offset, profile):
     by more than 10% or NaN (checked below). Both variants normalise such rows to a few
     ulps: the rows variant (a whole row on chip) by a corrected second pass that takes the
     rough mean's rounding out of the deviations, the looped variant (Chan's merge of
-    blocks) by taking its statistics of x - x[0], which are formed exactly. y is within
-    8 eps of the golden and rstd within 1e-6 relative, where torch's float32 layer_norm is
-    off by about 1e-3 at 1e4 and 1e-1 at 1e6."""
+    blocks) by taking its statistics of x - x[0], which are formed exactly, and the torch
+    backend's reference as the rows variant. y is within 8 eps of the golden and rstd
+    within 1e-6 relative, where torch's float32 layer_norm is off by about 1e-3 at 1e4 and
+    1e-1 at 1e6."""
     x = (torch.randn(8, 4097, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
          + offset).float().to(DEVICE)
     wide = x.double()
@@ -53,6 +54,9 @@ def test_offset_data_that_breaks_the_naive_variance(offset, profile):
         y, mean, rstd = plan.run(x, None, None)
     ours_error = (y.double() - golden).abs().max().item()
     assert ours_error < 8 * 2.0**-23
+    with opforge.use_backend("torch"):  # the reference corrects its deviations alike
+        reference_y = opforge.plan(LAYER_NORM, x, None, None).run(x, None, None)[0]
+    assert (reference_y.double() - golden).abs().max() < 8 * 2.0**-23
     # No worse than torch's own float32 layer_norm on the same inputs (both reported).
     torch_error = (torch.nn.functional.layer_norm(x, (4097,)).double() - golden).abs().max()
     assert ours_error <= 1.5 * torch_error.item(), (ours_error, torch_error.item())

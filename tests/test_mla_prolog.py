@@ -137,6 +137,17 @@ def test_empty_batch_leaves_caches_untouched(backend):
     assert torch.equal(kv, before)
 
 
+def test_an_empty_hidden_dim_projects_to_zero(backend):
+    """He = 0: the projections are empty sums, so the queries and the written cache rows
+    are 0 (against the golden), and the unwritten rows stay."""
+    inputs = _inputs(5, seed=4)
+    for index in (0, 1, 4):  # token_x, weight_dq, weight_dkv_kr
+        inputs[index] = inputs[index][..., :0] if index == 0 else inputs[index][:0]
+    outputs = _run([t.clone() for t in inputs])
+    assert not outputs[0].any() and not outputs[1].any()
+    assert_golden(MLA, Case("empty_hidden", inputs), outputs)
+
+
 def test_slot_beyond_the_cache_raises_before_any_write(backend):
     inputs = _inputs(5)
     inputs[9][2] = inputs[10].shape[0] * inputs[10].shape[1]

@@ -156,6 +156,21 @@ def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     assert (grad.double() - expected).abs().max() < 1e-5
 
 
+def test_softmax_variant_gradient_through_the_chosen_scores(backend):
+    """y of the softmax form is softmax(x) at the top-k experts (finished rows too): its
+    gradient against float64 autograd of that formula."""
+    x = _logits(6, 16, torch.float32, seed=9).view(2, 3, 16).requires_grad_()
+    finished = torch.tensor([[False, True, False], [True, False, False]], device=DEVICE)
+    y, _, _ = opforge.moe_gating_top_k_softmax(x, finished, k=4)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    (got,) = torch.autograd.grad(y, x, upstream)
+    wide = x.detach().double().requires_grad_()
+    scores = wide.softmax(-1)
+    chosen = scores.gather(-1, torch.topk(scores, 4, -1)[1])
+    (expected,) = torch.autograd.grad(chosen, wide, upstream.double())
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
 def test_softmax_variant_finished_rows_and_row_idx(backend):
     x = _logits(6, 10).view(2, 3, 10)
     finished = torch.tensor([[False, True, False], [False, False, True]], device=DEVICE)

@@ -118,6 +118,14 @@ def test_sigmoid_never_overflows(dtype, backend):
     assert y.tolist()[::2] == [1.0, 1.0, 1.0, 1.0] and y.tolist()[1::2] == [0.0] * 4
 
 
+def test_sigmoid_keeps_the_float32_subnormal_tail(backend):
+    """Below x = -88.7, float32 sigmoid is subnormal, not 0 (torch's float32 sigmoid
+    flushes it): both backends round the float64 value."""
+    x = torch.tensor([-88.0, -89.0, -95.0, -100.0, -103.0, -104.0], device=DEVICE)
+    expected = torch.sigmoid(x.double()).float()
+    assert expected[1:5].gt(0).all() and torch.equal(opforge.sigmoid(x), expected)
+
+
 def test_gelu_reference_equals_torch_where_torch_is_accurate():
     """The golden rewrites gelu with erfc; where torch's float64 1 + erf does not cancel
     (x > -3), both agree to float64 rounding."""
@@ -172,6 +180,8 @@ def test_reduce_sum_semantics_of_dims(backend):
     assert opforge.reduce_sum(x, -1).shape == (2, 3)
     scalar = torch.tensor(2.5, device=DEVICE)
     assert opforge.reduce_sum(scalar).item() == 2.5
+    for dims in (0, -1, [0]):  # a 0-d tensor's dim 0, as torch.sum allows
+        assert opforge.reduce_sum(scalar, dims).item() == 2.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,3 +323,83 @@ def test_matmul_property(m, k, n, batch, dtype, backend):
         out = opforge.matmul(a, b)
     assert out.shape == (*batch, m, n)
     assert_golden(opforge.get_op("matmul"), Case("prop", (a, b)), out)
+
+
+NORMS = {"rms_norm": lambda x, w, b: opforge.rms_norm(x, w),
+         "add_rms_norm": lambda x, w, b: opforge.add_rms_norm(x, x.flip(0), w)[0],
+         "layer_norm": lambda x, w, b: opforge.layer_norm(x, x.shape[1:], w, b)}
+NORM_GOLDEN = {
+    "rms_norm": lambda x, w, b: torch.nn.functional.rms_norm(x, x.shape[1:], w, 1e-6),
+    "add_rms_norm": lambda x, w, b: torch.nn.functional.rms_norm(x + x.flip(0), x.shape[1:],
+                                                                 w, 1e-6),
+    "layer_norm": lambda x, w, b: torch.nn.functional.layer_norm(x, x.shape[1:], w, b)}
+NORM_INPUTS = {"rms_norm": lambda x: (x, None), "add_rms_norm": lambda x: (x, x, None),
+               "layer_norm": lambda x: (x, None, None)}
+
+
+@pytest.mark.parametrize("name, layout", [(name, layout) for name in NORMS
+                                          for layout in ("strided", "expanded")]
+                         + [("layer_norm", "two_dims_strided")])
+def test_norms_read_strided_parameters(name, layout, backend):
+    """Weights and biases that are views (a slice of a packed parameter, a stride-0
+    expansion, a strided 2-D normalized shape): forward and gradients against float64
+    autograd."""
+    generator = _generator(7)
+    shape = (5, 2, 12) if layout == "two_dims_strided" else (5, 24)
+    if layout == "expanded":
+        weight, bias = (torch.randn(1, generator=generator).expand(24) for _ in range(2))
+    else:
+        packed = torch.randn((*shape[1:-1], 2 * shape[-1]), generator=generator)
+        weight, bias = packed[..., ::2], packed[..., 1::2]
+    assert not weight.is_contiguous()
+    x = torch.randn(shape, generator=generator)
+    upstream = torch.randn(shape, generator=generator)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (x, weight, bias)]
+    got = NORMS[name](*leaves)
+    grads = torch.autograd.grad(got, leaves[:2], upstream.to(DEVICE))
+    wide = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    expected = NORM_GOLDEN[name](*wide)
+    expected_grads = torch.autograd.grad(expected, wide[:2], upstream.double())
+    for mine, exact in zip((got, *grads), (expected, *expected_grads), strict=True):
+        assert (mine.detach().cpu().double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_norms_of_rows_of_nothing(name, backend):
+    """A zero-length normalized dim: empty y, statistics 0 (the reference's), on both
+    backends; an empty batch through the module."""
+    import opforge.nn
+
+    inputs = NORM_INPUTS[name](torch.randn(3, 0, device=DEVICE))
+    outputs = opforge.plan(name, *inputs).run(*inputs)
+    assert outputs[0].shape == (3, 0)
+    for statistic in outputs[1:3 if name == "layer_norm" else 2]:
+        assert statistic.shape == (3,) and not statistic.any()
+    module = opforge.nn.RMSNorm((3, 4)) if name == "rms_norm" else opforge.nn.LayerNorm(4)
+    empty = torch.randn(2, 0, 3, 4, device=DEVICE)
+    assert module.to(DEVICE)(empty).shape == empty.shape
+
+
+def test_an_out_that_overlaps_an_input_is_written_through_a_copy(backend):
+    """matmul's programs read tiles of a that other programs' output tiles overwrite: an out
+    aliasing an input gets a fresh buffer and a copy, and the product is right. An
+    elementwise operator (which reads each element before writing it) is right in place
+    (out=x) and with an out that overlaps its inputs shifted."""
+    generator = _generator(8)
+    a, b = (torch.randn(160, 160, generator=generator).to(DEVICE) for _ in range(2))
+    expected = a.double() @ b.double()
+    for target in ("a", "b"):
+        inputs = [a.clone(), b.clone()]
+        out = inputs[0] if target == "a" else inputs[1]
+        result = opforge.plan("matmul", *inputs).run(*inputs, out=out)
+        assert result is out
+        assert (result.double() - expected).abs().max() < 1e-3
+    x = torch.randn(1000, generator=generator).to(DEVICE)
+    golden = torch.sigmoid(x.double())
+    result = opforge.plan("sigmoid", x).run(x, out=x)
+    assert result is x and (result.double() - golden).abs().max() < 1e-6
+    # Partial overlap of an in-place operator's out: through a copy as well.
+    y = torch.randn(1001, generator=generator).to(DEVICE)
+    expected_add = y[1:].double() + y[:-1].double()
+    shifted = opforge.plan("broadcast_add", y[1:], y[:-1]).run(y[1:], y[:-1], out=y[:-1])
+    assert (shifted.double() - expected_add).abs().max() < 1e-6

@@ -96,23 +96,25 @@ def test_broadcast_tables_match_the_golden(mode, layout, table_shape, copied, ba
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_is_the_exact_transpose(mode, backend):
-    """With arbitrary (not rotation) tables the backward must still be the transpose."""
+    """With arbitrary (not rotation) tables the backward must still be the transpose; tables
+    that require grad (broadcast over x's leading dim) get theirs, summed over it."""
     x = _x(3, 4, 10).requires_grad_()
-    cos, sin = _x(4, 10, seed=1), _x(4, 10, seed=2)
+    cos, sin = _x(4, 10, seed=1).requires_grad_(), _x(4, 10, seed=2).requires_grad_()
     upstream = _x(3, 4, 10, seed=3)
-    (got,) = torch.autograd.grad(opforge.rope(x, cos, sin, mode), x, upstream)
-    wide = x.detach().double().requires_grad_()
-    expected_y = ROPE.reference_fn(wide, cos.double(), sin.double(),
-                                   compute_dtype=torch.float64, mode=mode)
-    (expected,) = torch.autograd.grad(expected_y, wide, upstream.double())
-    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    got = torch.autograd.grad(opforge.rope(x, cos, sin, mode), (x, cos, sin), upstream)
+    wide = [t.detach().double().requires_grad_() for t in (x, cos, sin)]
+    expected_y = ROPE.reference_fn(*wide, compute_dtype=torch.float64, mode=mode)
+    expected = torch.autograd.grad(expected_y, wide, upstream.double())
+    for mine, exact in zip(got, expected, strict=True):
+        assert mine.shape == exact.shape
+        assert (mine.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
 def test_gradcheck_in_float64():
     x = _x(2, 6).double().requires_grad_()
-    cos, sin = _x(6, seed=1).double(), _x(6, seed=2).double()
+    cos, sin = (_x(6, seed=seed).double().requires_grad_() for seed in (1, 2))
     for mode in MODES:
-        assert torch.autograd.gradcheck(lambda t, m=mode: opforge.rope(t, cos, sin, m), (x,))
+        assert torch.autograd.gradcheck(lambda *t, m=mode: opforge.rope(*t, m), (x, cos, sin))
 
 
 def test_errors_come_before_any_kernel():

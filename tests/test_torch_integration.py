@@ -33,7 +33,8 @@ def _sample_inputs(name: str):
 def test_opcheck(name, backend):
     op = opforge.get_op(name)
     for case in _sample_inputs(name):
-        inputs = [None if t is None else t.clone().requires_grad_(op.backward_fn is not None)
+        inputs = [None if t is None else t.clone().requires_grad_(
+                      op.backward_fn is not None and t.is_floating_point())
                   for t in case.inputs]
         attrs = op.bind_attrs(case.attrs)
         args = (*inputs, *(list(v) if isinstance(v, tuple) else v for v in attrs.values()))

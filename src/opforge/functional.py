@@ -172,6 +172,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
     dims, and are laid out ``[θ0 … θ(d/2−1), θ0 … θ(d/2−1)]`` for ``"half"`` and
     ``"interleave_half"``, ``[θ0, θ0, θ1, θ1, …]`` for ``"interleave"``
     (`opforge.ops.rope.rope_tables` builds them). Same shape and dtype as ``x``.
+    Differentiable in ``x`` and in tables that require grad.
 
     Raises:
         ShapeError: an odd last dim, or tables that do not match x. AttrError: bad mode.
@@ -183,7 +184,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, return_lse: bool = False
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention, flash-style (no ``Sq x Sk`` matrix in memory).
+    """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
+    matrix in memory); the torch backend (the CPU development path) computes the whole
+    float32 score matrix of every head at once, so its memory grows with ``Sq x Sk``.
 
     Args:
         q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, one float
@@ -305,7 +308,8 @@ def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = No
 
     Returns:
         ``(y, expert_idx, row_idx)`` of shape ``(*x.shape[:-1], k)``: y in x's dtype,
-        int32 indices, ``row_idx[..., j] = j * N + i`` for flattened row i of N.
+        int32 indices, ``row_idx[..., j] = j * N + i`` for flattened row i of N. y is
+        differentiable through the gathered softmax scores (finished rows included).
 
     Raises:
         ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.

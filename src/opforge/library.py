@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from opforge.core import registry
+from opforge.core.errors import UnsupportedError
 from opforge.core.opdef import Attr, AutocastPolicy, OpDef
 from opforge.core.plan import plan, validate
 
@@ -106,8 +107,10 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
 
     def backward(ctx: Any, *grads: Any) -> Any:
         if opdef.backward_fn is None:
-            raise RuntimeError(f"opforge.{opdef.name} has no backward: its inputs cannot "
-                               "receive gradients")
+            raise UnsupportedError("has no backward (a forward-only operator): its inputs "
+                                   "cannot receive gradients", op=opdef.name, param="inputs",
+                                   expected="no gradient through the operator",
+                                   got="a backward pass")
         needs = ctx.needs_input_grad
         ctx.needs_input_grad = needs[:-1]  # the keyset is not an input
         try:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from opforge import functional
-from opforge.core.errors import ShapeError, UnsupportedError
+from opforge.core.errors import AttrError, ShapeError, UnsupportedError
 
 
 class GELU(torch.nn.Module):
@@ -79,7 +79,7 @@ class RMSNorm(torch.nn.Module):
             raise ShapeError("trailing dims must equal normalized_shape", op="RMSNorm",
                              param="x", expected=self.normalized_shape, got=tuple(x.shape))
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        rows = x.reshape(*x.shape[:x.ndim - count], -1)
+        rows = x.reshape(*x.shape[:x.ndim - count], math.prod(self.normalized_shape))
         weight = None if self.weight is None else self.weight.reshape(-1)
         return functional.rms_norm(rows, weight, eps).reshape(x.shape)
 
@@ -186,7 +186,8 @@ class Embedding(torch.nn.Module):
     """``torch.nn.Embedding`` (same arguments and state_dict) whose backward is
     `opforge.embedding_dense_grad`: deterministic when torch's deterministic algorithms
     are on, float32 accumulation for 16-bit tables. ``max_norm`` and ``sparse`` are not
-    supported (``UnsupportedError``)."""
+    supported (``UnsupportedError``); a ``padding_idx`` outside ``[-num_embeddings,
+    num_embeddings)`` is an ``AttrError``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
@@ -198,6 +199,10 @@ class Embedding(torch.nn.Module):
             raise UnsupportedError("max_norm and sparse gradients are not supported",
                                    op="Embedding", param="max_norm" if max_norm else "sparse",
                                    expected="None / False", got=max_norm or sparse)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise AttrError("must index the table", op="Embedding", param="padding_idx",
+                            expected=f"{-num_embeddings}..{num_embeddings - 1}",
+                            got=padding_idx)
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

@@ -376,6 +376,13 @@ class OpDef:
             ``Plan.run(out=)`` hands them a non-contiguous ``out`` as it is (a transposed
             view filled without a copy); otherwise the plan gives them a contiguous buffer
             and copies it into ``out``.
+        check_values(plan, inputs): checks that need the inputs' data (index ranges), run
+            by `Plan.run` before anything is launched, on every backend, also when the
+            outputs are empty; raises `OpError` subclasses.
+        inplace_out: each program reads the input elements it writes over before it writes
+            them, so ``Plan.run(out=)`` may hand the launchers an ``out`` that is an input
+            itself (the same elements, ``out=x``: elementwise and row operators); any
+            other ``out`` overlapping an input is filled through a fresh buffer and a copy.
 
     Attached by decorators in the operator module: `reference`, `launcher`, `declines`,
     `autograd`.
@@ -393,6 +400,7 @@ class OpDef:
     grid: Callable[[Tiling, Specs, Specs, Attrs, HardwareProfile], tuple[int, ...]]
     samples: Callable[[torch.dtype, torch.device, torch.Generator], list[Case]]
     check: Callable[[Specs, Attrs], None] = _no_check
+    check_values: Callable[[Any, Sequence[torch.Tensor | None]], None] | None = None
     workspace: Callable[[Tiling, tuple[int, ...], Specs, Specs, Attrs], int] = _no_workspace
     kernel_costs: Callable[[Tiling, tuple[int, ...], Specs, Specs, Attrs],
                            Mapping[str, Cost]] | None = None
@@ -401,6 +409,7 @@ class OpDef:
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
     bench: BenchSpec | None = None
     strided_out: bool = False
+    inplace_out: bool = False
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

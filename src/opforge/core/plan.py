@@ -195,9 +195,13 @@ class Plan:
             bound.append(tensor)
         return bound
 
-    def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None
+    def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None,
+                 inputs: Sequence[torch.Tensor | None]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(buffers the kernel writes, tensors returned to the caller)."""
+        """(buffers the kernel writes, tensors returned to the caller). An ``out`` that
+        overlaps an input is written through a fresh buffer (a kernel would overwrite
+        elements other programs have yet to read), unless it is that input itself and the
+        operator is `OpDef.inplace_out`."""
         if out is None:
             fresh = [allocate(spec) for spec in self.outputs]
             return fresh, fresh
@@ -218,9 +222,23 @@ class Plan:
         # the operator says its launchers honour strides; else a strided `out` is filled
         # through a copy.
         strided = self.op.strided_out
-        targets = [t if t.is_contiguous() or (strided and _distinct_elements(t)) else allocate(s)
+        spans = [(t, _span(t)) for t in inputs if t is not None and t.numel()]
+        targets = [t if (t.is_contiguous() or (strided and _distinct_elements(t)))
+                   and not self._overlaps_an_input(t, spans) else allocate(s)
                    for t, s in zip(given, self.outputs)]
         return targets, given
+
+    def _overlaps_an_input(self, out: torch.Tensor,
+                           spans: Sequence[tuple[torch.Tensor, tuple[int, int]]]) -> bool:
+        """Whether ``out``'s memory range meets an input's, other than as the very same
+        elements of an in-place operator's input."""
+        if not out.numel():
+            return False
+        start, end = _span(out)
+        return any(start < input_end and input_start < end and not (
+            self.op.inplace_out and t.data_ptr() == out.data_ptr() and t.dtype == out.dtype
+            and t.shape == out.shape and t.stride() == out.stride())
+            for t, (input_start, input_end) in spans)
 
     def run(self, *tensors: torch.Tensor | None,
             out: torch.Tensor | Sequence[torch.Tensor] | None = None,
@@ -270,7 +288,9 @@ class Plan:
     def _execute(self, inputs: Sequence[torch.Tensor | None],
                  out: torch.Tensor | Sequence[torch.Tensor] | None,
                  workspace: torch.Tensor | None) -> list[torch.Tensor]:
-        targets, results = self._outputs(out)
+        if self.op.check_values is not None:
+            self.op.check_values(self, inputs)
+        targets, results = self._outputs(out, inputs)
         scratch = self._workspace(workspace)
         if not self._empty:
             self._launch(inputs, targets, scratch)
@@ -307,6 +327,17 @@ class Plan:
             raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
                           expected="a contiguous tensor", got=f"strides {workspace.stride()}")
         return workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte addresses ``[start, end)`` a non-empty tensor's elements lie within."""
+    start = end = tensor.data_ptr()
+    if tensor.is_contiguous():
+        return start, end + tensor.numel() * tensor.element_size()
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride * tensor.element_size()
+        start, end = (start + reach, end) if reach < 0 else (start, end + reach)
+    return start, end + tensor.element_size()
 
 
 def _distinct_elements(tensor: torch.Tensor) -> bool:
@@ -415,7 +446,12 @@ def set_plan_cache(enabled: bool) -> None:
 
 
 def _freeze(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
+    """An attribute value as a cache key: hashable, and typed, so that values that compare
+    equal but validate differently (``2`` and ``2.0``, ``1`` and ``True``) never share a
+    plan."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(item) for item in value)
+    return type(value), value
 
 
 def _choose_tiling(opdef: OpDef, signature: Signature, hardware: HardwareProfile

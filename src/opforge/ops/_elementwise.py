@@ -175,6 +175,7 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
         samples=samples,
         precision=precision,
         bench=bench,
+        inplace_out=True,
         **extra,
     )
 

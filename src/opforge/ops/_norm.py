@@ -419,8 +419,9 @@ def as_rows(tensor: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter read as a contiguous vector (a copy only when it is strided)."""
-    return tensor if tensor.is_contiguous() else tensor.reshape(-1)
+    """A parameter read as a contiguous vector (a copy only when it is strided: the kernels
+    index it with unit stride, and ``reshape`` of a strided 1-D view is that view)."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
 def _wide(rows: int, cols: int, *matrices: torch.Tensor) -> bool:
@@ -434,6 +435,11 @@ def launch_forward(plan: object, cols: int, x: torch.Tensor, residual: torch.Ten
                    center: bool) -> None:
     """Normalise the rows of ``x`` (+ ``residual``) into ``y``; ``mean`` (with
     ``center``), ``rstd`` and ``total`` (the sum, with a residual) are written too."""
+    if cols == 0:  # rows of nothing: statistics 0, as the reference has them
+        for statistic in (mean, rstd):
+            if statistic is not None:
+                statistic.zero_()
+        return
     # Kernels take only the data pointers: the contiguous outputs need no (rows, cols) view
     # (each view is a microsecond of host time per call).
     matrix = as_rows(x, cols)

@@ -118,6 +118,9 @@ def _shapes(q: object, k: object, v: object, op: str) -> tuple[int, ...]:
     if tuple(v.shape[:3]) != (b, hkv, sk):
         raise ShapeError("must match k in batch, heads and length", op=op, param="v",
                          expected=(b, hkv, sk, "Dv"), got=tuple(v.shape))
+    if h == 0:
+        raise ShapeError("needs at least one head", op=op, param="q", expected="H >= 1",
+                         got=tuple(q.shape))
     if hkv == 0 or h % hkv:
         raise ShapeError("query heads must be a multiple of key/value heads", op=op,
                          param="k", expected=f"a divisor of {h} heads", got=hkv)
@@ -411,6 +414,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,
     return scores
 
 
+def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)``, 0 in the rows that see no key (lse -inf, where the difference
+    is NaN); a NaN the inputs put in a row's scores or lse spreads over the row, as in the
+    kernels."""
+    return torch.where(lse == -math.inf, 0.0, torch.exp(scores - lse))
+
+
 def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
                      golden: torch.Tensor, output: str) -> torch.Tensor:
     """The magnitudes the output's rounding errors scale with, in float64. ``P @ V``
@@ -420,7 +430,7 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
     q, k, v = inputs[:3]
     scores = _scores(q, k, attrs["causal"], attrs["scale"], torch.float64)
     lse = torch.logsumexp(scores, -1, keepdim=True)
-    p = torch.nan_to_num(torch.exp(scores - lse), nan=0.0)
+    p = _probabilities(scores, lse)
     scale = abs(q.shape[-1] ** -0.5 if attrs["scale"] is None else attrs["scale"])
     magnitude = torch.matmul(q.abs(), _expand_heads(k, q.shape[1]).abs().transpose(-1, -2))
     weighted = p * magnitude * scale
@@ -665,7 +675,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     score matrix at once)."""
     scores = _scores(q, k, causal, scale, compute_dtype)
     lse = torch.logsumexp(scores, -1)
-    p = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    p = _probabilities(scores, lse[..., None])
     out = torch.matmul(p, _expand_heads(v, q.shape[1]).to(compute_dtype))
     return out, lse
 
@@ -682,7 +692,7 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     keys = _expand_heads(k, heads).to(compute_dtype)
     values = _expand_heads(v, heads).to(compute_dtype)
     scores = _scores(q, k, causal, scale, compute_dtype)
-    p = torch.nan_to_num(torch.exp(scores - lse.to(compute_dtype)[..., None]), nan=0.0)
+    p = _probabilities(scores, lse.to(compute_dtype)[..., None])
     delta = (dout * out).sum(-1)
     if grad_lse is not None:
         delta = delta - grad_lse.to(compute_dtype)
@@ -922,7 +932,8 @@ if triton is not None:
                                           masked_start, end, Sk, offset, D, DV, qk_scale,
                                           CAUSAL, True, UPCAST, PRECISION, DESCRIPTORS, False,
                                           FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
-            seen = l_i > 0
+            # Rows that see no key have l_i 0 exactly; a NaN l_i (NaN in the inputs) stays.
+            seen = l_i != 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
             out_rows = (slot_base + members) * Sq + queries
@@ -959,7 +970,7 @@ if triton is not None:
                 total = total * alpha + weight
                 acc = acc * alpha[:, None] + weight[:, None] * out_s
                 m = m_new
-            seen = total > 0
+            seen = total != 0
             out = acc / tl.where(seen, total, 1.0)[:, None]
             lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), NEG_INF)
             out_ptrs = out_ptr + rows[:, None] * DV + value_dims[None, :]

@@ -164,6 +164,12 @@ def _checked_range(indices: torch.Tensor, attrs: Attrs) -> None:
                               got=low if low < 0 else high)
 
 
+def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
+    """The index range, unless ``check_range=False`` lets a GPU skip it."""
+    if plan.attrs["check_range"] or inputs[0].device.type != "cuda":
+        _checked_range(inputs[1], plan.attrs)
+
+
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
              ) -> list[Case]:
     def grad(*shape: int) -> torch.Tensor:
@@ -233,7 +239,7 @@ def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 EMBEDDING_DENSE_GRAD = OpDef(
     name=NAME, doc="Embedding table gradient (aten.embedding_dense_backward): atomic or "
                    "sort-based deterministic accumulation in float32.",
-    inputs=(TensorArg("grad", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+    inputs=(TensorArg("grad"),
             TensorArg("indices", dtypes=INDEX_DTYPES)),
     outputs=(OutputArg("grad_weight"),),
     attrs=(Attr("num_weights", "int", 0, range=(0, None), doc="rows of the table"),
@@ -242,9 +248,9 @@ EMBEDDING_DENSE_GRAD = OpDef(
            Attr("deterministic", "bool", None,
                 doc="sort-based kernel; None: torch's deterministic setting"),
            Attr("check_range", "bool", True, doc="check indices before the kernels")),
-    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
-    samples=_samples, error_scale=_sum_scale,
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check,
+    check_values=_check_values, cost=_cost, tiling=_tiling, grid=_grid, workspace=_workspace,
+    kernel_costs=_kernel_costs, samples=_samples, error_scale=_sum_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_embedding_backward,
                             sweep=_sweep, known_limitations=(OVERFLOWING_ROW_SUM,)),
     bench=BenchSpec(shapes=((4096, 4096, 128256), (16384, 4096, 128256)),
@@ -259,9 +265,8 @@ EMBEDDING_DENSE_GRAD = OpDef(
 def reference(grad: torch.Tensor, indices: torch.Tensor, *, compute_dtype: torch.dtype,
               num_weights: int, padding_idx: int, scale_grad_by_freq: bool,
               deterministic: bool | None, check_range: bool) -> torch.Tensor:
-    """``index_add`` of the gradient rows in ``compute_dtype`` (indices checked first)."""
-    if check_range or grad.device.type != "cuda":
-        _checked_range(indices, {"padding_idx": padding_idx, "num_weights": num_weights})
+    """``index_add`` of the gradient rows in ``compute_dtype`` (the plan checked the
+    indices)."""
     flat = indices.reshape(-1).long()
     rows = grad.reshape(flat.numel(), grad.shape[-1]).to(compute_dtype)
     if scale_grad_by_freq:
@@ -349,8 +354,6 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     grad, indices = inputs
     out = outputs[0]
     attrs = plan.attrs
-    if attrs["check_range"] or grad.device.type != "cuda":
-        _checked_range(indices, attrs)
     flat = indices.reshape(-1).long()
     positions, width = flat.numel(), grad.shape[-1]
     rows = grad.reshape(positions, width).contiguous()

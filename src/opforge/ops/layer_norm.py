@@ -307,7 +307,8 @@ LAYER_NORM = OpDef(
                             known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_SQUARES,
                                                CANCELLING_MEAN)),
     bench=BenchSpec(peers={"Liger-Kernel": liger_peer(
-        "layer_norm", "LigerLayerNormFunction", lambda case: (*case.inputs, EPS.default))}))
+        "layer_norm", "LigerLayerNormFunction", lambda case: (*case.inputs, EPS.default))}),
+    inplace_out=True)
 
 LAYER_NORM_BACKWARD = OpDef(
     name="layer_norm_backward", doc="(grad_x, grad_weight, grad_bias) of layer_norm from its "
@@ -338,7 +339,9 @@ LAYER_NORM_BACKWARD = OpDef(
 def reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *,
               compute_dtype: torch.dtype, normalized_shape: Sequence[int] | None,
               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, mean, rstd) in ``compute_dtype``, the variance by two passes."""
+    """(y, mean, rstd) in ``compute_dtype``, the variance by two passes, corrected as the
+    kernel's where the mean stands beyond the spread (the rough mean's rounding taken out
+    of the deviations; the saved mean is the rough one)."""
     normalized = _normalized(x.shape, {"normalized_shape": normalized_shape})
     dims = tuple(range(x.ndim - len(normalized), x.ndim))
     wide = x.to(compute_dtype)
@@ -346,8 +349,13 @@ def reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         empty = wide.sum(dims)
         return wide, empty, empty
     mean = wide.mean(dims, keepdim=True)
-    rstd = torch.rsqrt((wide - mean).square().mean(dims, keepdim=True) + eps)
-    y = (wide - mean) * rstd
+    deviation = wide - mean
+    variance = deviation.square().mean(dims, keepdim=True)
+    offset = (mean.square() > variance) & mean.isfinite()
+    correction = torch.where(offset, deviation.mean(dims, keepdim=True), 0.0)
+    deviation = deviation - correction
+    rstd = torch.rsqrt(variance - correction.square() + eps)
+    y = deviation * rstd
     if weight is not None:
         y = y * weight.to(compute_dtype)
     if bias is not None:

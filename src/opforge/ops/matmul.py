@@ -97,7 +97,12 @@ def _operands(a: Sequence[int], b: Sequence[int]) -> tuple[tuple[int, ...], int,
     if a2[-1] != b2[-2]:
         raise ShapeError("inner dims differ", op=NAME, param="b",
                          expected=f"{a2[-1]} rows (a has {a2[-1]} columns)", got=tuple(b))
-    batch = broadcast_shapes(a2[:-2], b2[:-2], op=NAME, names=("a", "b"))
+    try:
+        batch = broadcast_shapes(a2[:-2], b2[:-2], op=NAME, names=("a", "b"))
+    except ShapeError as error:
+        raise ShapeError(f"batch dims (all but the last two) cannot be broadcast: {error.got}",
+                         op=NAME, param="a,b", expected="batch dims equal or 1",
+                         got=f"a {tuple(a)}, b {tuple(b)}") from None
     return tuple(batch), a2[-2], a2[-1], b2[-1]
 
 

@@ -415,8 +415,8 @@ def _torch_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor,
     """the same computation composed of torch ops in the inputs' dtype"""
     tokens, dr = token_x.shape[:-1], rope_sin.shape[-1]
     n, d, hckv = weight_uk.shape
-    x = token_x.reshape(-1, token_x.shape[-1])
-    cos, sin = rope_cos.reshape(-1, dr), rope_sin.reshape(-1, dr)
+    x = token_x.flatten(0, -2)
+    cos, sin = rope_cos.flatten(0, -2), rope_sin.flatten(0, -2)
     norm = torch.nn.functional.rms_norm
     cq = norm(x @ weight_dq, (weight_dq.shape[1],), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
     qq = (cq @ weight_uq_qr).view(-1, n, d + dr)
@@ -449,6 +449,37 @@ CANCELLING_PRODUCTS = KnownLimitation(
     "the dtype's eps bound of its terms' magnitude (the error scale: there 9e-9, the "
     "peer's 1e-8).", failures=("max_rel ratio*", "mean_rel ratio*"))
 
+def _slot_count(kv_cache: object) -> int:
+    """BlockNum * BlockSize: the cache rows a slot may name."""
+    return kv_cache.shape[0] * kv_cache.shape[1]
+
+
+def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
+    """Contiguous caches (written in place by offset) and every slot below
+    BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
+    device-to-host read of the largest slot, except while a CUDA graph is captured: the
+    read cannot run then, and the kernel skips slots beyond the cache instead (a replay
+    never writes out of bounds, and never raises).
+
+    Raises:
+        OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
+    """
+    for name, cache in (("kv_cache", inputs[10]), ("kr_cache", inputs[11])):
+        if not cache.is_contiguous():
+            raise OpError("must be contiguous (it is updated in place)", op=NAME,
+                          param=name, expected="a contiguous tensor",
+                          got=f"strides {cache.stride()}")
+    cache_index = inputs[9]
+    if cache_index.numel() == 0 or backends.capturing(cache_index.device):
+        return
+    slots = _slot_count(plan.inputs[10])
+    largest = int(cache_index.max())
+    if largest >= slots:
+        raise IndexRangeError("holds a slot beyond the cache", op=NAME, param="cache_index",
+                              expected=f"< BlockNum * BlockSize = {slots} (or negative)",
+                              got=largest)
+
+
 MLA_PROLOG = OpDef(
     name=NAME, doc="DeepSeek MLA preprocessing (torch_npu.npu_mla_prolog V1): queries, "
                    "query rope, and the latent KV and rope rows scattered into paged caches "
@@ -460,9 +491,10 @@ MLA_PROLOG = OpDef(
     attrs=(Attr("rmsnorm_epsilon_cq", "float", 1e-5, range=EPS_RANGE),
            Attr("rmsnorm_epsilon_ckv", "float", 1e-5, range=EPS_RANGE),
            Attr("cache_mode", "str", "PA_BSND", choices=CACHE_MODES)),
-    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
-    tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
-    samples=_samples, error_scale=_magnitude_scale,
+    infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check,
+    check_values=_check_values, cost=_cost, tiling=_tiling, grid=_grid,
+    workspace=_workspace, kernel_costs=_kernel_costs, samples=_samples,
+    error_scale=_magnitude_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_mla_prolog, sweep=_sweep,
                             known_limitations=(OVERFLOWING_PROJECTIONS,
                                                CANCELLING_PRODUCTS)))
@@ -499,9 +531,9 @@ def _rows(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Te
 
     tokens, dr = token_x.shape[:-1], rope_sin.shape[-1]
     n, d, hckv = weight_uk.shape
-    x = token_x.reshape(-1, token_x.shape[-1]).to(compute_dtype)
-    cos = rope_cos.reshape(-1, dr).to(compute_dtype)
-    sin = rope_sin.reshape(-1, dr).to(compute_dtype)
+    x = token_x.flatten(0, -2).to(compute_dtype)
+    cos = rope_cos.flatten(0, -2).to(compute_dtype)
+    sin = rope_sin.flatten(0, -2).to(compute_dtype)
     if magnitudes:
         cos, sin = cos.abs(), sin.abs()
     true_cq = r(x @ weight_dq.to(compute_dtype))
@@ -792,43 +824,11 @@ if triton is not None:
 # Launchers
 
 
-def _slot_count(kv_cache: object) -> int:
-    """BlockNum * BlockSize: the cache rows a slot may name."""
-    return kv_cache.shape[0] * kv_cache.shape[1]
-
-
-def _checked_call(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
-    """Contiguous caches (written in place by offset) and every slot below
-    BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
-    device-to-host read of the largest slot, except while a CUDA graph is captured: the
-    read cannot run then, and the kernel skips slots beyond the cache instead (a replay
-    never writes out of bounds, and never raises).
-
-    Raises:
-        OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
-    """
-    for name, cache in (("kv_cache", inputs[10]), ("kr_cache", inputs[11])):
-        if not cache.is_contiguous():
-            raise OpError("must be contiguous (it is updated in place)", op=NAME,
-                          param=name, expected="a contiguous tensor",
-                          got=f"strides {cache.stride()}")
-    cache_index = inputs[9]
-    if cache_index.numel() == 0 or backends.capturing(cache_index.device):
-        return
-    slots = _slot_count(plan.inputs[10])
-    largest = int(cache_index.max())
-    if largest >= slots:
-        raise IndexRangeError("holds a slot beyond the cache", op=NAME, param="cache_index",
-                              expected=f"< BlockNum * BlockSize = {slots} (or negative)",
-                              got=largest)
-
-
 @MLA_PROLOG.launcher("torch")
 def launch_torch(plan: object, inputs: Sequence[torch.Tensor | None],
                  outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """The formula at float32 (float64 for float64 inputs), writing only the indexed rows
     of the caches."""
-    _checked_call(plan, inputs)
     wide = inputs[0].dtype == torch.float64
     query, query_rope, ckv, kr = _rows(*inputs, compute_dtype=torch.float64 if wide
                                        else torch.float32, rounded=inputs[0].dtype,
@@ -868,10 +868,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     `_query_steps`; the KV path in the fused kernel (and its merge when He is sliced)."""
     (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
      kv_cache, kr_cache) = inputs
-    _checked_call(plan, inputs)
     n, d, hckv = w_uk.shape
     dr = sin.shape[-1]
-    x = token_x.reshape(-1, token_x.shape[-1])
+    x = token_x.flatten(0, -2)
     t, he = x.shape
     cq = plan.run_step("down", "matmul", x, w_dq)
     rows_cos = cos.reshape(t, dr).contiguous()

@@ -542,7 +542,8 @@ if triton is not None:
             for j in range(0, K):
                 top = tl.max(tl.max(keys, 2), 1)
                 at_top = keys == top[:, None, None]
-                position = tl.min(tl.min(tl.where(at_top, expert, E), 2), 1)
+                # An expert index fits int32 whatever width E arrives in (64-bit sizes).
+                position = tl.min(tl.min(tl.where(at_top, expert, E), 2), 1).to(tl.int32)
                 hit = expert == position[:, None, None]
                 weight = tl.sum(tl.sum(tl.where(hit, norm, 0.0), 2), 1)
                 weights = tl.where(columns == j, weight[:, None], weights)
@@ -616,32 +617,61 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.
     ctx.sigmoid, ctx.out_flag, ctx.scale, ctx.eps = norm_type == 1, out_flag, scale, eps
 
 
-@MOE_GATING_TOP_K.autograd(_setup_context)
-def backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
-             grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """dx through the gathered scores and the renormalisation, in float32: with
-    ``w = norm[idx]`` and ``S = sum(w) + eps``, ``dw = scale (g / S - sum(g w) / S^2)``
-    (renormalised) or ``scale g``; scattered into the scores' gradient (plus ``grad_out``),
-    then through softmax or sigmoid. The selection and the bias get none."""
-    x, idx = ctx.saved_tensors
+def _scores_gradient(x: torch.Tensor, idx: torch.Tensor, grad_y: torch.Tensor | None,
+                     grad_out: torch.Tensor | None, sigmoid: bool, renorm: bool,
+                     scale: float, eps: float) -> torch.Tensor:
+    """dx of ``(rows, E)`` logits through the gathered scores and the renormalisation, in
+    float32: with ``w = norm[idx]`` and ``S = sum(w) + eps``, ``dw = scale (g / S -
+    sum(g w) / S^2)`` (renormalised) or ``scale g``; scattered into the scores' gradient
+    (plus ``grad_out``), then through softmax or sigmoid. The selection gets none."""
     x32 = x.float()
-    norm = torch.sigmoid(x32) if ctx.sigmoid else torch.softmax(x32, -1)
+    norm = torch.sigmoid(x32) if sigmoid else torch.softmax(x32, -1)
     grad_norm = torch.zeros_like(norm)
     if grad_y is not None:
         index = idx.long()
         g = grad_y.float()
         weights = norm.gather(1, index)
-        if ctx.renorm:
-            total = weights.sum(-1, keepdim=True) + ctx.eps
+        if renorm:
+            total = weights.sum(-1, keepdim=True) + eps
             g = g / total - (g * weights).sum(-1, keepdim=True) / total.square()
-        grad_norm.scatter_add_(1, index, g * ctx.scale)
-    if ctx.out_flag and grad_out is not None and grad_out.numel():
+        grad_norm.scatter_add_(1, index, g * scale)
+    if grad_out is not None and grad_out.numel():
         grad_norm = grad_norm + grad_out.float()
-    if ctx.sigmoid:
+    if sigmoid:
         grad_x = grad_norm * norm * (1 - norm)
     else:
         grad_x = norm * (grad_norm - (grad_norm * norm).sum(-1, keepdim=True))
-    return (grad_x.to(x.dtype), None, *([None] * len(GATING_ATTRS)))
+    return grad_x.to(x.dtype)
+
+
+@MOE_GATING_TOP_K.autograd(_setup_context)
+def backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
+             grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """dx through the gathered scores (`_scores_gradient`); the bias gets none."""
+    x, idx = ctx.saved_tensors
+    grad_x = _scores_gradient(x, idx, grad_y, grad_out if ctx.out_flag else None,
+                              ctx.sigmoid, ctx.renorm, ctx.scale, ctx.eps)
+    return (grad_x, None, *([None] * len(GATING_ATTRS)))
+
+
+def _softmax_setup_context(ctx: object, inputs: tuple[object, ...],
+                           output: tuple[torch.Tensor, ...]) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.k = inputs[2]
+
+
+@MOE_GATING_TOP_K_SOFTMAX.autograd(_softmax_setup_context)
+def softmax_backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
+                     grad_row_idx: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """dx through the softmax scores gathered at the chosen experts (chosen again from x:
+    the returned indices of finished rows are E); ``finished`` gets none."""
+    (x,) = ctx.saved_tensors
+    experts = x.shape[-1]
+    flat = x.reshape(-1, experts)
+    idx = select_experts(flat, None, ctx.k, 1, 1, 0, 0)
+    grad = None if grad_y is None else grad_y.reshape(-1, ctx.k)
+    grad_x = _scores_gradient(flat, idx, grad, None, False, False, 1.0, 0.0)
+    return grad_x.reshape(x.shape), None, None
 
 
 register_op(MOE_GATING_TOP_K)

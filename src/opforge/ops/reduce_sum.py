@@ -302,7 +302,8 @@ if triton is not None:
 def launch(plan: object, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
            workspace: torch.Tensor | None) -> None:
     """Two-pass (split) or one-pass reduction of the ``(M, K)`` view of ``x``."""
-    x, out = inputs[0], outputs[0]
+    # A 0-d x reduced over its dim 0 (as torch allows) is the 1-element vector.
+    x, out = inputs[0] if inputs[0].ndim else inputs[0].reshape(1), outputs[0]
     reduced = _reduced(plan.inputs, plan.attrs)
     kept = [i for i in range(x.ndim) if i not in reduced]
     rows, cols = _rows_and_cols(plan.inputs, plan.outputs)

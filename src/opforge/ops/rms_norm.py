@@ -247,7 +247,8 @@ RMS_NORM = OpDef(
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_rms_norm, sweep=_sweep(False),
                             known_limitations=(SHARED_ROW_STATISTIC,)),
     bench=BenchSpec(peers={"Liger-Kernel": liger_peer(
-        "rms_norm", "LigerRMSNormFunction", lambda case: (*case.inputs, EPS.default))}))
+        "rms_norm", "LigerRMSNormFunction", lambda case: (*case.inputs, EPS.default))}),
+    inplace_out=True)
 
 ADD_RMS_NORM = OpDef(
     name="add_rms_norm", doc="s = x + residual; (s * rstd * weight, rstd, s), one read each.",

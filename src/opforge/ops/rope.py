@@ -433,16 +433,32 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
 
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
-    _, cos, sin, mode = inputs
-    ctx.save_for_backward(cos, sin)
+    x, cos, sin, mode = inputs
+    tables_learn = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    ctx.save_for_backward(cos, sin, x if tables_learn else None)
     ctx.mode = mode
 
 
 @ROPE.autograd(_setup_context)
-def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-    """dx through `rope_backward`; the tables are constants (no gradient)."""
-    cos, sin = ctx.saved_tensors
-    return torch.ops.opforge.rope_backward(grad, cos, sin, ctx.mode), None, None, None
+def backward(ctx: object, grad: torch.Tensor
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    """dx through `rope_backward`; for tables that need it (learned frequencies, say),
+    ``dcos[j] = sum grad[j] x[p(j)]`` and ``dsin[j] = sum s(j) grad[j] x[q(j)]`` in
+    float32, summed over the dims the table broadcast along."""
+    cos, sin, x = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_x = torch.ops.opforge.rope_backward(grad, cos, sin, ctx.mode) if needs[0] else None
+    grad_cos = grad_sin = None
+    if x is not None:
+        source, _, partner, _, sign = (t.to(x.device) for t in _indices(x.shape[-1],
+                                                                       ctx.mode, False))
+        wide_grad, values = grad.float(), x.float()
+        if needs[1]:
+            grad_cos = (wide_grad * values[..., source]).sum_to_size(cos.shape).to(cos.dtype)
+        if needs[2]:
+            grad_sin = (wide_grad * values[..., partner] * sign).sum_to_size(sin.shape).to(
+                sin.dtype)
+    return grad_x, grad_cos, grad_sin, None
 
 
 register_op(ROPE_BACKWARD)

@@ -19,6 +19,7 @@ from opforge.ops._elementwise import (
     launch_elementwise,
     random_input,
     same_shape_pair,
+    stable_sigmoid,
 )
 from opforge.precision.cases import generate
 
@@ -95,8 +96,9 @@ SIGMOID_BACKWARD = elementwise_op(
 
 @SIGMOID.reference
 def reference(x: torch.Tensor, *, compute_dtype: torch.dtype) -> torch.Tensor:
-    """``torch.sigmoid`` in ``compute_dtype``."""
-    return torch.sigmoid(x.to(compute_dtype))
+    """The kernel's ``exp(-|x|)`` form in ``compute_dtype``: in float32 it keeps the
+    subnormal results below x = -88.7 that ``torch.sigmoid`` flushes to 0."""
+    return stable_sigmoid(x.to(compute_dtype))
 
 
 @SIGMOID_BACKWARD.reference

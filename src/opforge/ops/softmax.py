@@ -327,7 +327,8 @@ def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Ten
         samples=_samples, autocast=AutocastPolicy.FP32,
         error_scale=_softmax_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep,
-                                known_limitations=(SHARED_ROW_STATISTIC,)), bench=bench)
+                                known_limitations=(SHARED_ROW_STATISTIC,)), bench=bench,
+        inplace_out=True)
 
 
 def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
