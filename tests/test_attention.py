@@ -336,6 +336,32 @@ def test_autograd_matches_float64_including_the_lse_path(causal, backend):
         assert (mine.double() - golden).abs().max() <= 1e-5 * golden.abs().max()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_backend_in_query_chunks_equals_the_whole(causal, monkeypatch):
+    """The torch backend bounds its score matrices by chunks of query rows: one row at a
+    time gives the whole matrix's out, lse, gradients and error magnitudes (Sq > Sk causal:
+    the chunks' masks keep their rows' offsets; GQA: dK and dV summed over chunks)."""
+    from opforge.ops import attention
+
+    q, k, v = _qkv(2, 4, 2, 13, 9, 16, dv=8, seed=11)
+    dout = torch.randn(2, 4, 13, 8, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+
+    def everything() -> list[torch.Tensor]:
+        with opforge.use_backend("torch"):
+            out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
+            grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        magnitudes = attention._backward_terms(dout, q, k, v, out, lse, None,
+                                               compute_dtype=torch.float64, causal=causal,
+                                               scale=None, magnitudes=True)
+        return [out, lse, *grads, *magnitudes]
+
+    whole = everything()
+    monkeypatch.setattr(attention, "REFERENCE_CHUNK_ELEMENTS", 1)
+    assert len(attention._query_chunks(q, 9)) == 13
+    for chunked, reference in zip(everything(), whole, strict=True):
+        torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 def test_backward_is_deterministic_across_runs():
     q, k, v = _qkv(1, 4, 1, 70, 90, 32, dtype=torch.bfloat16, seed=9)
     dout = torch.randn_like(q)

@@ -185,8 +185,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               scale: float | None = None, return_lse: bool = False
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
-    matrix in memory); the torch backend (the CPU development path) computes the whole
-    float32 score matrix of every head at once, so its memory grows with ``Sq x Sk``.
+    matrix in memory); the torch backend (the CPU development path) holds the score
+    matrices of a chunk of query rows at a time (at most 2**24 elements).
 
     Args:
         q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, one float

@@ -396,22 +396,40 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def causal_mask(sq: int, sk: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``j <= i + Sk - Sq``."""
-    rows = torch.arange(sq, device=device)[:, None]
-    return torch.arange(sk, device=device)[None, :] <= rows + (sk - sq)
+def causal_mask(sq: int, sk: int, device: torch.device | str | None = None,
+                rows: slice | None = None) -> torch.Tensor:
+    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``j <= i + Sk - Sq``; only
+    the query rows ``rows`` when given."""
+    first, stop = (0, sq) if rows is None else (rows.start, rows.stop)
+    queries = torch.arange(first, stop, device=device)[:, None]
+    return torch.arange(sk, device=device)[None, :] <= queries + (sk - sq)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,
-            compute_dtype: torch.dtype) -> torch.Tensor:
-    """Scaled scores in ``compute_dtype``, masked keys at -inf."""
+            compute_dtype: torch.dtype, rows: slice | None = None) -> torch.Tensor:
+    """Scaled scores in ``compute_dtype``, masked keys at -inf; of the query rows ``rows``
+    only when given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sq = q.shape[2]
+    if rows is not None:
+        q = q[:, :, rows]
     q, k = q.to(compute_dtype), _expand_heads(k, q.shape[1]).to(compute_dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device),
-                                    -math.inf)
+        scores = scores.masked_fill(~causal_mask(sq, k.shape[2], q.device, rows), -math.inf)
     return scores
+
+
+# The torch backend's score matrices hold at most this many elements at a time.
+REFERENCE_CHUNK_ELEMENTS = 2**24
+
+
+def _query_chunks(q: torch.Tensor, sk: int) -> list[slice]:
+    """Query-row slices whose score matrices (every batch and head) hold at most
+    `REFERENCE_CHUNK_ELEMENTS`: the torch backend's memory stays bounded in Sq x Sk."""
+    b, h, sq = q.shape[:3]
+    rows = max(1, REFERENCE_CHUNK_ELEMENTS // max(1, b * h * sk))
+    return [slice(start, min(sq, start + rows)) for start in range(0, sq, rows)]
 
 
 def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -671,12 +689,15 @@ ATTENTION_BACKWARD = OpDef(
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               compute_dtype: torch.dtype, causal: bool, scale: float | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype`` (the whole
-    score matrix at once)."""
-    scores = _scores(q, k, causal, scale, compute_dtype)
-    lse = torch.logsumexp(scores, -1)
-    p = _probabilities(scores, lse[..., None])
-    out = torch.matmul(p, _expand_heads(v, q.shape[1]).to(compute_dtype))
+    """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype``, the score
+    matrix of a bounded chunk of query rows at a time (`_query_chunks`)."""
+    values = _expand_heads(v, q.shape[1]).to(compute_dtype)
+    out = values.new_empty((*q.shape[:3], v.shape[3]))
+    lse = values.new_empty(q.shape[:3])
+    for rows in _query_chunks(q, k.shape[2]):
+        scores = _scores(q, k, causal, scale, compute_dtype, rows)
+        lse[:, :, rows] = torch.logsumexp(scores, -1)
+        out[:, :, rows] = torch.matmul(_probabilities(scores, lse[:, :, rows, None]), values)
     return out, lse
 
 
@@ -684,32 +705,39 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, *,
                     compute_dtype: torch.dtype, causal: bool, scale: float | None,
                     magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them;
+    """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them, a
+    bounded chunk of query rows at a time (dK and dV summed over the chunks);
     ``magnitudes``: every term by its absolute value."""
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dout, q, out = (t.to(compute_dtype) for t in (dout, q, out))
+    dout, q, out, lse = (t.to(compute_dtype) for t in (dout, q, out, lse))
     keys = _expand_heads(k, heads).to(compute_dtype)
     values = _expand_heads(v, heads).to(compute_dtype)
-    scores = _scores(q, k, causal, scale, compute_dtype)
-    p = _probabilities(scores, lse.to(compute_dtype)[..., None])
-    delta = (dout * out).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(compute_dtype)
     if magnitudes:
-        # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e): weight
-        # p by 1 + that magnitude, the first-order amplification of the scores' rounding.
-        spread = torch.matmul(q.abs(), keys.abs().transpose(-1, -2)) * abs(scale)
-        p = p * (1 + spread + (p * spread).sum(-1, keepdim=True))
-        dout, q, keys, values = (t.abs() for t in (dout, q, keys, values))
-        delta = (dout * out.abs()).sum(-1) + (0 if grad_lse is None else grad_lse.abs())
-        ds = p * (torch.matmul(dout, values.transpose(-1, -2)) + delta[..., None])
-        scale = abs(scale)
+        delta = (dout * out).abs().sum(-1) + (0 if grad_lse is None else grad_lse.abs())
+        terms = [t.abs() for t in (dout, q, keys, values)]
     else:
-        ds = p * (torch.matmul(dout, values.transpose(-1, -2)) - delta[..., None])
-    grad_q = torch.matmul(ds, keys) * scale
-    grad_k = torch.matmul(ds.transpose(-1, -2), q) * scale
-    grad_v = torch.matmul(p.transpose(-1, -2), dout)
+        delta = (dout * out).sum(-1) - (0 if grad_lse is None else grad_lse.to(compute_dtype))
+        terms = [dout, q, keys, values]
+    dout_terms, q_terms, key_terms, value_terms = terms
+    term_scale = abs(scale) if magnitudes else scale
+    grad_q = torch.empty_like(q)
+    grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+    for rows in _query_chunks(q, k.shape[2]):
+        p = _probabilities(_scores(q, k, causal, scale, compute_dtype, rows),
+                           lse[:, :, rows, None])
+        if magnitudes:
+            # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e):
+            # weight p by 1 + that magnitude, the first-order amplification of the scores'
+            # rounding.
+            spread = torch.matmul(q_terms[:, :, rows], key_terms.transpose(-1, -2)) * abs(scale)
+            p = p * (1 + spread + (p * spread).sum(-1, keepdim=True))
+        products = torch.matmul(dout_terms[:, :, rows], value_terms.transpose(-1, -2))
+        ds = p * (products + delta[:, :, rows, None] if magnitudes
+                  else products - delta[:, :, rows, None])
+        grad_q[:, :, rows] = torch.matmul(ds, key_terms) * term_scale
+        grad_k += torch.matmul(ds.transpose(-1, -2), q_terms[:, :, rows]) * term_scale
+        grad_v += torch.matmul(p.transpose(-1, -2), dout_terms[:, :, rows])
 
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(1, (heads // group, group)).sum(2)
