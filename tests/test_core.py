@@ -198,6 +198,31 @@ def test_run_with_out_and_workspace_allocates_nothing():
     assert opforge.workspace_stats().requests == 0
 
 
+def test_run_refuses_what_is_not_an_out_or_a_workspace_of_its_own():
+    """Typed errors before any kernel: an out or workspace that is not a tensor, and a
+    workspace whose bytes overlap an input or the out (the kernels' scratch writes would
+    corrupt them; the input is left as it was)."""
+    x = torch.randn(2, 4097)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("reduce_sum", x, dims=(1,))
+    assert plan.workspace_bytes > 0
+    before = x.clone()
+    bad_runs = [({"out": 5}, "out"), ({"workspace": 5}, "workspace"),
+                ({"workspace": x.view(-1)}, "workspace"),
+                ({"out": torch.empty(2), "workspace": x[1]}, "workspace")]
+    for arguments, param in bad_runs:
+        with pytest.raises(opforge.OpError) as raised:
+            plan.run(x, **arguments)
+        assert raised.value.param == param
+    assert torch.equal(x, before)
+    scratch = torch.empty(plan.workspace_bytes + 8, dtype=torch.uint8)
+    out = torch.empty(2)
+    with pytest.raises(opforge.OpError):
+        plan.run(x, out=scratch[:8].view(torch.float32), workspace=scratch)
+    assert_golden(REDUCE_SUM, Case("own_scratch", (x,), {"dims": (1,)}),
+                  plan.run(x, out=out, workspace=scratch))
+
+
 def test_non_contiguous_out_is_filled(backend):
     a, b = torch.randn(4, 6), torch.randn(6)
     out = torch.full((6, 4), float("nan")).t()

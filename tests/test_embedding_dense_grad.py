@@ -128,6 +128,29 @@ def test_nn_embedding_matches_torch_and_uses_the_operator(backend):
         assert raised.value.param == "padding_idx"
 
 
+def test_nn_embedding_from_pretrained_as_torch():
+    """from_pretrained keeps the given tensor as the frozen (or trainable) table, with
+    torch's attributes, repr and padding handling; reset_parameters zeroes the padding row."""
+    table = torch.randn(7, 4, generator=torch.Generator().manual_seed(13))
+    for freeze in (True, False):
+        ours = opforge.nn.Embedding.from_pretrained(table, freeze=freeze, padding_idx=-2)
+        theirs = torch.nn.Embedding.from_pretrained(table, freeze=freeze, padding_idx=-2)
+        assert ours.weight.data_ptr() == table.data_ptr()
+        assert ours.weight.requires_grad == theirs.weight.requires_grad == (not freeze)
+        for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm",
+                     "norm_type", "scale_grad_by_freq", "sparse"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+        assert repr(ours) == repr(theirs)
+    assert repr(opforge.nn.Embedding(3, 2)) == repr(torch.nn.Embedding(3, 2))
+    fresh = opforge.nn.Embedding(7, 4, padding_idx=5)
+    fresh.reset_parameters()
+    assert not fresh.weight[5].any() and fresh.weight.std() > 0.5
+    with pytest.raises(opforge.ShapeError):
+        opforge.nn.Embedding.from_pretrained(torch.randn(3))
+    with pytest.raises(opforge.AttrError):
+        opforge.nn.Embedding(7, 5, _weight=table)
+
+
 def test_nn_embedding_in_float64_for_gradcheck(backend):
     """A float64 table (gradcheck's) takes the torch backend's float64 path."""
     table = opforge.nn.Embedding(6, 3, padding_idx=1, dtype=torch.float64)

@@ -183,15 +183,17 @@ class _EmbeddingLookup(torch.autograd.Function):
 
 
 class Embedding(torch.nn.Module):
-    """``torch.nn.Embedding`` (same arguments and state_dict) whose backward is
-    `opforge.embedding_dense_grad`: deterministic when torch's deterministic algorithms
-    are on, float32 accumulation for 16-bit tables. ``max_norm`` and ``sparse`` are not
-    supported (``UnsupportedError``); a ``padding_idx`` outside ``[-num_embeddings,
-    num_embeddings)`` is an ``AttrError``."""
+    """``torch.nn.Embedding`` (same arguments, attributes, ``from_pretrained`` and
+    state_dict) whose backward is `opforge.embedding_dense_grad`: deterministic when
+    torch's deterministic algorithms are on, float32 accumulation for 16-bit tables.
+    ``max_norm`` and ``sparse`` are not supported (``UnsupportedError``); a ``padding_idx``
+    outside ``[-num_embeddings, num_embeddings)`` is an ``AttrError``, and so is a
+    ``_weight`` that is not ``(num_embeddings, embedding_dim)``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
+                 _weight: torch.Tensor | None = None, _freeze: bool = False,
                  device: torch.device | None = None, dtype: torch.dtype | None = None
                  ) -> None:
         super().__init__()
@@ -207,16 +209,54 @@ class Embedding(torch.nn.Module):
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.scale_grad_by_freq = padding_idx, scale_grad_by_freq
-        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, embedding_dim,
-                                                     device=device, dtype=dtype))
+        self.max_norm, self.norm_type, self.sparse = max_norm, norm_type, sparse
+        if _weight is None:
+            self.weight = torch.nn.Parameter(torch.empty(num_embeddings, embedding_dim,
+                                                         device=device, dtype=dtype),
+                                             requires_grad=not _freeze)
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise AttrError("must be the table's shape", op="Embedding", param="_weight",
+                                expected=(num_embeddings, embedding_dim),
+                                got=tuple(_weight.shape))
+            self.weight = torch.nn.Parameter(_weight, requires_grad=not _freeze)
+
+    def reset_parameters(self) -> None:
+        """N(0, 1) entries, the padding row 0 (as torch)."""
         torch.nn.init.normal_(self.weight)
-        if padding_idx is not None:
+        if self.padding_idx is not None:
             with torch.no_grad():
-                self.weight[padding_idx].zero_()
+                self.weight[self.padding_idx].zero_()
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True,
+                        padding_idx: int | None = None, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False) -> Embedding:
+        """A table holding ``embeddings`` (2-D, used as the parameter's data, as torch
+        does), frozen unless ``freeze=False``.
+
+        Raises:
+            ShapeError: ``embeddings`` is not 2-D. UnsupportedError, AttrError: as the
+                constructor.
+        """
+        if embeddings.dim() != 2:
+            raise ShapeError("must be 2-D (num_embeddings, embedding_dim)", op="Embedding",
+                             param="embeddings", expected="2 dims",
+                             got=tuple(embeddings.shape))
+        return cls(*embeddings.shape, padding_idx=padding_idx, max_norm=max_norm,
+                   norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+                   _weight=embeddings, _freeze=freeze)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         padding = -1 if self.padding_idx is None else self.padding_idx
         return _EmbeddingLookup.apply(self.weight, indices, padding, self.scale_grad_by_freq)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        if self.scale_grad_by_freq:
+            text += ", scale_grad_by_freq=True"
+        return text

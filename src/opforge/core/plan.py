@@ -205,7 +205,12 @@ class Plan:
         if out is None:
             fresh = [allocate(spec) for spec in self.outputs]
             return fresh, fresh
-        given = [out] if isinstance(out, torch.Tensor) else list(out)
+        given = [out] if isinstance(out, torch.Tensor) else list(
+            out if isinstance(out, (list, tuple)) else [out])
+        if not all(isinstance(tensor, torch.Tensor) for tensor in given):
+            raise OpError("out must be a tensor or a sequence of tensors", op=self.op.name,
+                          param="out", expected="torch.Tensor",
+                          got=", ".join(type(t).__name__ for t in given))
         if len(given) != len(self.outputs):
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
@@ -248,9 +253,12 @@ class Plan:
         Args:
             tensors: the inputs, in prototype order (``None`` for absent optionals); shapes,
                 dtypes and devices must equal the plan's.
-            out: preallocated output(s) matching `outputs`; allocated when omitted.
+            out: preallocated output(s) matching `outputs`; allocated when omitted. One
+                the kernels cannot write directly (strided for an operator without
+                `OpDef.strided_out`, or overlapping an input) is filled through a buffer.
             workspace: a uint8 (or any) tensor of at least `workspace_bytes` bytes on the
-                plan's device; taken from the pool when omitted. With ``out`` and
+                plan's device, sharing no memory with the inputs and outputs; taken from
+                the pool when omitted. With ``out`` written directly and
                 ``workspace`` given, `run` allocates neither outputs nor scratch and does
                 not synchronise, so it can be captured in a CUDA graph (a composite
                 operator's intermediates come from the graph's memory pool; a range check
@@ -262,8 +270,9 @@ class Plan:
 
         Raises:
             ShapeError, DtypeError, DeviceError: a tensor does not match the plan.
-            OpError: wrong number of inputs or outputs, an ``out`` whose elements share
-                memory (an expanded view), or a workspace that is too small.
+            OpError: wrong number of inputs or outputs, an ``out`` or ``workspace`` that is
+                not a tensor, an ``out`` whose elements share memory (an expanded view), or
+                a workspace that is too small or overlaps an input or output.
         """
         return self._observed(self._check_inputs(tensors), out, workspace)
 
@@ -291,7 +300,7 @@ class Plan:
         if self.op.check_values is not None:
             self.op.check_values(self, inputs)
         targets, results = self._outputs(out, inputs)
-        scratch = self._workspace(workspace)
+        scratch = self._workspace(workspace, [*inputs, *targets])
         if not self._empty:
             self._launch(inputs, targets, scratch)
         for target, result in zip(targets, results):
@@ -311,12 +320,19 @@ class Plan:
         else:
             self.op.launchers[self.backend](self, inputs, targets, scratch)
 
-    def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:
+    def _workspace(self, workspace: torch.Tensor | None,
+                   tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The scratch bytes: from the pool, or the given ``workspace`` once it is checked
+        to be a large enough contiguous tensor on the plan's device that shares no memory
+        with ``tensors`` (the inputs and outputs: scratch writes would corrupt them)."""
         if self.workspace_bytes == 0:
             return None
         device = self.outputs[0].device
         if workspace is None:
             return workspace_pool.get(self.workspace_bytes, device)
+        if not isinstance(workspace, torch.Tensor):
+            raise OpError("workspace must be a tensor", op=self.op.name, param="workspace",
+                          expected="torch.Tensor", got=type(workspace).__name__)
         nbytes = workspace.numel() * workspace.element_size()
         if nbytes < self.workspace_bytes or workspace.device != device:
             raise OpError("workspace is too small or on another device", op=self.op.name,
@@ -326,7 +342,17 @@ class Plan:
         if not workspace.is_contiguous():
             raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
                           expected="a contiguous tensor", got=f"strides {workspace.stride()}")
-        return workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+        scratch = workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+        start, end = _span(scratch)
+        for tensor in tensors:
+            if tensor is not None and tensor.numel():
+                other_start, other_end = _span(tensor)
+                if start < other_end and other_start < end:
+                    raise OpError("workspace shares memory with an input or output",
+                                  op=self.op.name, param="workspace",
+                                  expected="scratch memory of its own",
+                                  got=f"bytes {start}..{end} overlap {other_start}..{other_end}")
+        return scratch
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
