@@ -4,6 +4,7 @@ fp32 vs bf16 and torch vs triton runs agree, truncated or misaligned dumps fail 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -105,8 +106,10 @@ def test_missing_and_misaligned_dumps_fail_closed(tmp_path, capsys):
     data["entries"] = data["entries"][1:]
     manifest.write_text(json.dumps(data))
     _run(tmp_path / "c", _model(), steps=1)
+    capsys.readouterr()
     assert main(["compare", str(tmp_path / "c"), str(tmp_path / "b"), "--plot", ""]) == 2
-    assert "do not line up" in capsys.readouterr().out
+    _assert_one_line_error(capsys, "do not line up",
+                           "first only in the reference: 0.linear#0.forward.input.0")
 
 
 def test_step_and_module_filters(tmp_path):
@@ -168,3 +171,187 @@ def test_tolerance_of_the_compute_dtype(tmp_path):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", plot]) == 1
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--dtype", "bfloat16",
                  "--plot", plot]) == 0
+
+
+def _step(path) -> object:
+    return read_step(path / "rank0" / "step0")
+
+
+def test_zero_size_tensors_are_recorded(tmp_path, capsys):
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        with dump(model, tmp_path / name, mode="tensor") as d:
+            model(torch.randn(0, 8, requires_grad=True)).sum().backward()
+            d.step()
+    entries = _step(tmp_path / "a").manifest["entries"]
+    assert entries and all(e["shape"][0] == 0 for e in entries)
+    assert all(e["stats"]["nan"] == e["stats"]["inf"] == 0 for e in entries)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 0
+
+
+def test_a_failing_dump_hook_never_breaks_training(tmp_path, monkeypatch, caplog):
+    import sys
+
+    module = sys.modules["opforge.precision.dump"]   # the package's `dump` is the function
+    model = _model()
+    calls = [0]
+    real = module.summary_stats
+
+    def flaky(tensor):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("statistics bug")
+        return real(tensor)
+
+    monkeypatch.setattr(module, "summary_stats", flaky)
+    generator = torch.Generator().manual_seed(1)
+    with caplog.at_level("ERROR", logger="opforge"), dump(model, tmp_path / "a") as d:
+        for _ in range(2):
+            model(torch.randn(8, 32, generator=generator)).sum().backward()
+            d.step()
+    # The step with a failed record is not written (it would not line up); the next is.
+    assert [f.name for f in step_folders(tmp_path / "a")] == ["step1"]
+    assert sum("step 0 is not written" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_float16_and_bfloat16_rank_by_precision_not_by_order(tmp_path):
+    from opforge.precision.dump import _lower_precision, compare_steps
+
+    assert _lower_precision("float16", "bfloat16") == torch.bfloat16
+    assert _lower_precision("bfloat16", "float16") == torch.bfloat16
+    assert _lower_precision("float16", "float16", torch.bfloat16) == torch.bfloat16
+    assert _lower_precision("float32", "float16") == torch.float16
+    _run(tmp_path / "a", _model(dtype=torch.float16), mode="statistics", steps=1,
+         dtype=torch.float16)
+    a = _step(tmp_path / "a")
+    assert {r.dtype for r in compare_steps(a, a, torch.bfloat16)} == {"bfloat16"}
+
+
+def _assert_one_line_error(capsys, *words):
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error:") and "\n" not in out, out
+    assert all(word in out for word in words), out
+
+
+@pytest.mark.parametrize("manifest", [
+    {"format": "opforge-dump/1"},
+    {"format": "opforge-dump/1", "mode": "statistics", "entries": [{"key": "x"}]},
+    {"format": "opforge-dump/1", "mode": "tensor", "entries": []},
+    ["not", "an", "object"],
+])
+def test_malformed_manifests_exit_2_with_one_line(tmp_path, capsys, manifest):
+    _run(tmp_path / "a", _model(), mode="statistics", steps=1)
+    _run(tmp_path / "b", _model(), mode="statistics", steps=1)
+    (tmp_path / "b" / "rank0" / "step0" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 2
+    _assert_one_line_error(capsys, "malformed manifest")
+
+
+def test_tensor_file_without_an_entry_and_stray_folders(tmp_path, capsys):
+    _run(tmp_path / "a", _model(), steps=1)
+    _run(tmp_path / "b", _model(), steps=1)
+    (tmp_path / "a" / "rank0" / "step0_old").mkdir()     # not a step: left out
+    folder = tmp_path / "b" / "rank0" / "step0"
+    data = json.loads((folder / "manifest.json").read_text())
+    data["entries"][0]["key"] = "renamed"
+    (folder / "manifest.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 2
+    _assert_one_line_error(capsys, "no tensor for entry renamed")
+
+
+class Up(torch.nn.Module):
+    """Returns its input itself in float32, a new tensor otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def test_entries_match_by_key_when_aliasing_changes_hook_order(tmp_path, capsys):
+    for name, low in (("fp32", False), ("bf16", True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), Up(), torch.nn.Linear(8, 8))
+        x = torch.randn(4, 8)
+        if low:
+            model[0].to(torch.bfloat16)
+            x = x.bfloat16()
+        with dump(model, tmp_path / name) as d:
+            model(x).sum().backward()
+            d.step()
+    keys = [[e["key"] for e in _step(tmp_path / n).manifest["entries"]]
+            for n in ("fp32", "bf16")]
+    assert keys[0] != keys[1] and sorted(keys[0]) == sorted(keys[1])   # order differs
+    assert main(["compare", str(tmp_path / "fp32"), str(tmp_path / "bf16"), "--plot", "",
+                 "--dtype", "bfloat16"]) == 0
+
+
+def test_activation_checkpointing_lines_up(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, reentrant: bool | None) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+            self.reentrant = reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x) if self.reentrant is None else checkpoint(
+                    block, x, use_reentrant=self.reentrant)
+            return x
+
+    for name, reentrant in (("plain", None), ("checkpoint", False), ("reentrant", True)):
+        model = Checkpointed(reentrant)
+        torch.manual_seed(1)
+        with dump(model, tmp_path / name) as d:
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+            d.step()
+    # A reentrant checkpoint backpropagates through its recomputation; the gradient hooks
+    # on the original inputs still fire.
+    for name in ("checkpoint", "reentrant"):
+        assert main(["compare", str(tmp_path / "plain"), str(tmp_path / name),
+                     "--plot", ""]) == 0
+
+
+def test_an_all_nan_entry_shows_nan_not_agreement(tmp_path):
+    from opforge.precision.dump import compare_steps, first_divergence
+
+    class Poison(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * float("nan")
+
+    for name, layer in (("ref", torch.nn.Identity()), ("nan", Poison())):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer, torch.nn.Linear(8, 8))
+        with dump(model, tmp_path / name) as d:
+            model(torch.randn(4, 8)).sum().backward()
+            d.step()
+    results = compare_steps(_step(tmp_path / "ref"), _step(tmp_path / "nan"))
+    first = results[first_divergence(results)]
+    assert first.key == "1#0.forward.output.0"
+    assert math.isnan(first.cosine) and math.isnan(first.max_abs)
+    assert all(r.cosine == pytest.approx(1.0) for r in results if not r.diverged)
+
+
+def test_multi_rank_compare_reports_the_earliest_step(tmp_path, capsys):
+    import shutil
+
+    _run(tmp_path / "a" / "x", _model(), mode="statistics", steps=2)
+    _run(tmp_path / "b" / "x", _model(), mode="statistics", steps=2)
+    _run(tmp_path / "b" / "y", _model(diverge_at=2), mode="statistics", steps=2)
+    for run in ("a", "b"):
+        shutil.copytree(tmp_path / run / "x" / "rank0", tmp_path / run / "rank0")
+        shutil.copytree(tmp_path / run / "x" / "rank0", tmp_path / run / "rank1")
+    # rank 0 diverges at step 1 only, rank 1 already at step 0.
+    shutil.rmtree(tmp_path / "b" / "rank0" / "step1")
+    shutil.copytree(tmp_path / "b" / "y" / "rank0" / "step1", tmp_path / "b" / "rank0" / "step1")
+    shutil.rmtree(tmp_path / "b" / "rank1" / "step0")
+    shutil.copytree(tmp_path / "b" / "y" / "rank0" / "step0", tmp_path / "b" / "rank1" / "step0")
+    for run in ("a", "b"):
+        shutil.rmtree(tmp_path / run / "x")
+    shutil.rmtree(tmp_path / "b" / "y")
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 1
+    assert "diverged at rank1/step0" in capsys.readouterr().out

@@ -159,3 +159,15 @@ def test_rmse_ratio_floor_is_relative_to_the_golden():
     assert judge(ours, torch.float32, "benchmark_ratio", peer=exact_peer, level="L2").passed
     off = compare_tensors((golden * (1 + 1e-3)).float(), golden)
     assert not judge(off, torch.float32, "benchmark_ratio", peer=exact_peer, level="L2").passed
+
+
+@pytest.mark.parametrize("actual, golden", [
+    (torch.ones(3, dtype=torch.float8_e4m3fn), torch.ones(3, dtype=torch.float64)),
+    (torch.tensor([1 + 1j]), torch.tensor([1 + 2j], dtype=torch.complex128)),
+    (torch.ones(3), torch.ones(3, dtype=torch.complex128)),
+], ids=["float8", "complex", "complex golden"])
+def test_dtypes_without_metrics_are_typed_errors(actual, golden):
+    from opforge.core.errors import DtypeError
+
+    with pytest.raises(DtypeError, match="no precision metrics"):
+        compare_tensors(actual, golden)

@@ -143,3 +143,12 @@ def test_the_committed_certificate_is_current_and_complete():
         for limitation in spec.known_limitations:
             assert limitation.reason in text
     assert CERTIFICATE.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "nosuchdevice"])
+def test_an_unusable_device_exits_2_with_one_line(device, capsys):
+    from opforge.cli import main
+
+    assert main(["verify", "sigmoid", "--device", device, "--quiet"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error:") and device in out and "\n" not in out, out

@@ -8,7 +8,7 @@
 ``uniform``     U(-1, 1)
 ``large``       ±U(1/4, 1/2) x the dtype's largest finite value: within a factor 4 of overflow
 ``tiny``        ±2^U(e_min - mantissa_bits, e_min + 4): subnormals and the smallest normals
-``cancellation``  neighbours x, -x (1 + k eps): sums and differences cancel to a few ulps
+``cancellation``  neighbours x, -x (1 + k eps), k = 1..8: sums cancel to a few ulps
 ``outliers``    N(0, 1) with 1% of the elements scaled by 1e4 (capped at 1/4 of the max)
 ``masked_rows``  N(0, 1) along the last dim with whole rows and half rows set to -inf, as
                 attention masks do
@@ -34,6 +34,7 @@ SHAPES: tuple[tuple[int, ...], ...] = ((1,), (7,), (63,), (1000,), (4097,), (33,
 LONG_ROW = 65537
 OUTLIER_SHARE = 0.01
 OUTLIER_SCALE = 1e4
+CANCELLATION_ULPS = 8
 
 
 def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
@@ -84,7 +85,9 @@ def generate(kind: str, shape: Sequence[int], dtype: torch.dtype, *,
     elif kind == "cancellation":
         values = normal()
         flat = values.reshape(-1)
-        steps = torch.arange(1, flat[1::2].numel() + 1, dtype=torch.float64)
+        # k cycles through 1..8 so that every pair cancels, whatever the tensor's size
+        # (a k growing with the index would make far pairs differ by k eps >> 1 in 16 bits).
+        steps = torch.arange(flat[1::2].numel(), dtype=torch.float64) % CANCELLATION_ULPS + 1
         flat[1::2] = -flat[0::2][: steps.numel()] * (1 + steps * torch.finfo(dtype).eps)
     elif kind == "outliers":
         values = normal()

@@ -23,10 +23,13 @@ produces for an input (recorded by tensor hooks, as in `Monitor`). Its key,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +38,17 @@ from typing import Any
 import torch
 
 from opforge.precision.metrics import Metrics, compare_tensors
-from opforge.precision.monitor import _rank, _tensors, hook_modules
+from opforge.precision.monitor import (
+    _rank,
+    _scaled,
+    _scaled_mean,
+    _scaled_norm,
+    _tensors,
+    hook_modules,
+)
 from opforge.precision.standards import THRESHOLDS
+
+logger = logging.getLogger("opforge")
 
 MODES = ("statistics", "tensor")
 MANIFEST = "manifest.json"
@@ -59,12 +71,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def summary_stats(tensor: torch.Tensor) -> torch.Tensor:
-    """(min, max, mean, norm) of ``tensor`` as a float32 vector on its device, without a
-    synchronisation. All four propagate NaN and Inf (the mean of +Inf and -Inf is NaN)."""
-    flat = tensor.detach().reshape(-1)
-    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-    return torch.stack([wide.amin(), wide.amax(), wide.sum() / wide.numel(),
-                        torch.dot(wide, wide).sqrt()]).float()
+    """(min, max, mean, norm) of a floating-point ``tensor`` as a vector on its device
+    (float32; float64 for a float64 tensor), without a synchronisation. All four propagate
+    NaN and Inf (the mean of +Inf and -Inf is NaN); the norm and mean of finite values do
+    not overflow (see `opforge.precision.monitor.tensor_stats`). An empty tensor gives four
+    zeros."""
+    if not tensor.numel():
+        return torch.zeros(4, device=tensor.device)
+    _, lowest, highest, max_abs, scaled = _scaled(tensor)
+    return torch.stack([lowest, highest, _scaled_mean(scaled, lowest, highest, max_abs),
+                        _scaled_norm(torch.dot(scaled, scaled), max_abs)])
 
 
 def _step_statistics(row: Sequence[float]) -> dict[str, float]:
@@ -114,6 +130,7 @@ class Dump:
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
         self._active = False
+        self._failed_step: int | None = None
         self.grad_scale = grad_scale
         self._scale: float | None = None
 
@@ -127,35 +144,54 @@ class Dump:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._entries:
-            self._write()
+        self._write()
 
     def _wanted(self) -> bool:
-        return self._active and (self.steps is None or self.step_index in self.steps)
+        return (self._active and self._failed_step != self.step_index
+                and (self.steps is None or self.step_index in self.steps))
+
+    def _guarded(self, body: Callable[[], None]) -> None:
+        # A dump must never break training. A step with a failed record would not line up
+        # with another run's, so it is logged and not written.
+        if not self._wanted():
+            return
+        try:
+            body()
+        except Exception:  # reported, never raised into the loop
+            self._failed_step = self.step_index
+            logger.exception("opforge dump: recording failed; step %d is not written",
+                             self.step_index)
 
     def _hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not self._wanted():
-                return
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            for io, values in (("input", inputs), ("output", output)):
-                for index, tensor in enumerate(_tensors(values)):
-                    self._add(name, call, "forward", io, index, tensor)
-                    if io == "input" and tensor.requires_grad:
-                        tensor.register_hook(self._grad_hook(name, call, index))
+            def body() -> None:
+                # A forward hook that fires during a backward pass is an activation
+                # checkpoint's recomputation of a forward already recorded. (A reentrant
+                # checkpoint's backward then has no entries inside it, and a comparison
+                # with a run without checkpoints names the first missing one.)
+                if torch._C._current_graph_task_id() != -1:
+                    return
+                call = self._calls.get(name, 0)
+                self._calls[name] = call + 1
+                for io, values in (("input", inputs), ("output", output)):
+                    for index, tensor in enumerate(_tensors(values)):
+                        self._add(name, call, "forward", io, index, tensor)
+                        if io == "input" and tensor.requires_grad:
+                            tensor.register_hook(self._grad_hook(name, call, index))
+            self._guarded(body)
         return hook
 
     def _grad_hook(self, name: str, call: int, index: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if not self._wanted():
-                return
-            dtype = grad.dtype
-            if self.grad_scale is not None and grad.is_floating_point():
-                if self._scale is None:
-                    self._scale = float(self.grad_scale())
-                grad = grad.float() / self._scale
-            self._add(name, call, "backward", "input", index, grad, dtype)
+            def body() -> None:
+                dtype = grad.dtype
+                value = grad
+                if self.grad_scale is not None and grad.is_floating_point():
+                    if self._scale is None:
+                        self._scale = float(self.grad_scale())
+                    value = grad.float() / self._scale
+                self._add(name, call, "backward", "input", index, value, dtype)
+            self._guarded(body)
         return hook
 
     def _add(self, module: str, call: int, phase: str, io: str, index: int,
@@ -163,17 +199,17 @@ class Dump:
         if not tensor.is_floating_point():
             return
         key = f"{module}#{call}.{phase}.{io}.{index}"
+        stats = summary_stats(tensor)
         self._entries.append({"key": key, "module": module, "call": call, "phase": phase,
                               "io": io, "index": index, "shape": list(tensor.shape),
                               "dtype": str(dtype or tensor.dtype).removeprefix("torch.")})
-        self._stats.append(summary_stats(tensor))
+        self._stats.append(stats)
         if self.mode == "tensor":
             self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
 
     def step(self) -> None:
-        """Write the current step (if wanted) and start the next one."""
-        if self._entries:
-            self._write()
+        """Write the current step (if wanted and fully recorded) and start the next one."""
+        self._write()
         self.step_index += 1
         self._calls.clear()
         self._scale = None
@@ -181,6 +217,9 @@ class Dump:
     def _write(self) -> None:
         from safetensors.torch import save
 
+        if not self._entries or self._failed_step == self.step_index:
+            self._entries, self._stats, self._tensors = [], [], {}
+            return
         folder = self.folder / f"step{self.step_index}"
         folder.mkdir(parents=True, exist_ok=True)
         # One transfer for the whole step's statistics.
@@ -219,12 +258,49 @@ class StepDump:
     tensors: dict[str, torch.Tensor] | None
 
 
+_ENTRY_FIELDS = {"key": str, "module": str, "call": int, "phase": str, "io": str,
+                 "index": int, "shape": list, "dtype": str, "stats": dict}
+_STAT_FIELDS = ("min", "max", "mean", "norm", "nan", "inf")
+
+
+def _check_manifest(manifest: Any, path: Path) -> None:
+    """Raise `DumpError` naming the first field of ``manifest`` that `compare_steps` could
+    not use."""
+    def fail(what: str) -> None:
+        raise DumpError(f"{path}: malformed manifest: {what}")
+
+    if not isinstance(manifest, dict):
+        fail("not a JSON object")
+    if manifest.get("mode") not in MODES:
+        fail(f"mode {manifest.get('mode')!r}, expected one of {', '.join(MODES)}")
+    if not isinstance(manifest.get("entries"), list):
+        fail("no list of entries")
+    for number, entry in enumerate(manifest["entries"]):
+        if not isinstance(entry, dict):
+            fail(f"entry {number} is not an object")
+        for name, kind in _ENTRY_FIELDS.items():
+            if not isinstance(entry.get(name), kind):
+                fail(f"entry {number} ({entry.get('key', '?')}): field {name!r} missing or "
+                     f"not a {kind.__name__}")
+        if not all(isinstance(entry["stats"].get(f), (int, float)) for f in _STAT_FIELDS):
+            fail(f"entry {number} ({entry['key']}): stats need {', '.join(_STAT_FIELDS)}")
+        if not hasattr(torch, entry["dtype"]) or not isinstance(
+                getattr(torch, entry["dtype"]), torch.dtype):
+            fail(f"entry {number} ({entry['key']}): unknown dtype {entry['dtype']!r}")
+    info = manifest.get("tensors")
+    if manifest["mode"] == "tensor" and not (
+            isinstance(info, dict) and isinstance(info.get("file"), str)
+            and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
+        fail("a tensor-mode manifest needs tensors.file, tensors.bytes and tensors.sha256")
+
+
 def read_step(folder: Path) -> StepDump:
     """Read ``folder`` (a ``step<N>``): the manifest, and the tensors it vouches for.
 
     Raises:
-        DumpError: no manifest, a manifest of another format, or a tensor file that is
-            missing or whose size or SHA-256 differs from the manifest's.
+        DumpError: no manifest, a manifest of another format or with missing or mistyped
+            fields, or a tensor file that is missing, differs from the manifest's size or
+            SHA-256, or lacks one of its entries.
     """
     from safetensors.torch import load
 
@@ -235,9 +311,10 @@ def read_step(folder: Path) -> StepDump:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as error:
         raise DumpError(f"{manifest_path}: not valid JSON ({error})") from None
-    if manifest.get("format") != FORMAT:
+    if isinstance(manifest, dict) and manifest.get("format") != FORMAT:
         raise DumpError(f"{manifest_path}: format {manifest.get('format')!r}, "
                         f"expected {FORMAT!r}")
+    _check_manifest(manifest, manifest_path)
     tensors = None
     if manifest["mode"] == "tensor":
         info = manifest["tensors"]
@@ -249,18 +326,36 @@ def read_step(folder: Path) -> StepDump:
             raise DumpError(f"{path}: {len(data)} bytes, the manifest vouches for "
                             f"{info['bytes']} bytes with another checksum (truncated or "
                             "modified)")
-        tensors = load(data)
+        try:
+            tensors = load(data)
+        except Exception as error:  # safetensors raises its own error types
+            raise DumpError(f"{path}: not a safetensors file ({error})") from None
+        missing = [e["key"] for e in manifest["entries"] if e["key"] not in tensors]
+        if missing:
+            raise DumpError(f"{path}: no tensor for entry {missing[0]}")
     return StepDump(folder, manifest, tensors)
 
 
+_STEP_FOLDER = re.compile(r"rank(\d+)/step(\d+)")
+
+
+def step_number(folder: Path) -> tuple[int, int]:
+    """(rank, step) of a ``rank<R>/step<N>`` folder."""
+    match = _STEP_FOLDER.fullmatch(f"{folder.parent.name}/{folder.name}")
+    if match is None:
+        raise DumpError(f"{folder}: not a rank<R>/step<N> folder")
+    return int(match[1]), int(match[2])
+
+
 def step_folders(run: Path) -> list[Path]:
-    """Every ``rank<R>/step<N>`` folder of a run, sorted by rank then step.
+    """Every ``rank<R>/step<N>`` folder of a run, sorted by rank then step; other folders
+    (a ``step3_old`` copy) are not steps and are left out.
 
     Raises:
         DumpError: the run has none.
     """
-    folders = sorted(run.glob("rank*/step*"),
-                     key=lambda p: (int(p.parent.name[4:]), int(p.name[4:])))
+    folders = sorted((p for p in run.glob("rank*/step*") if p.is_dir() and
+                      _STEP_FOLDER.fullmatch(f"{p.parent.name}/{p.name}")), key=step_number)
     if not folders:
         raise DumpError(f"{run}: no rank*/step* folders (not an opforge dump)")
     return folders
@@ -285,8 +380,10 @@ class EntryComparison:
 
 
 def _lower_precision(*dtypes: str | torch.dtype | None) -> torch.dtype:
+    # Precision is the mantissa, not the width: bfloat16 (eps 2^-7) is below float16
+    # (2^-10), whichever is named first.
     chosen = [getattr(torch, d) if isinstance(d, str) else d for d in dtypes if d is not None]
-    return min(chosen, key=lambda d: torch.finfo(d).bits)
+    return max(chosen, key=lambda d: torch.finfo(d).eps)
 
 
 def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Metrics:
@@ -302,26 +399,34 @@ def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Met
 
 def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
                   ) -> list[EntryComparison]:
-    """Compare two dumps of one step entry by entry, in call order; ``a`` is the
-    reference. Each entry is judged by the tolerance of the lower-precision dtype of its
-    two sides, or of ``tolerance`` when that is lower: the compute dtype of a run under
-    autocast, whose float32 tensors (a residual stream, a norm's output) carry its errors.
+    """Compare two dumps of one step entry by entry, in ``a``'s call order; ``a`` is the
+    reference. Entries are matched by key (module, call, phase, io, index), not by
+    position: the order in which gradient hooks fire depends on whether a module returns
+    its input itself, which a change of dtype can alter. Each entry is judged by the
+    tolerance of the lower-precision dtype of its two sides, or of ``tolerance`` when that
+    is lower: the compute dtype of a run under autocast, whose float32 tensors (a residual
+    stream, a norm's output) carry its errors. An entry with elements none of which is
+    finite on both sides has NaN cosine and errors: nothing could be compared.
 
     Raises:
-        DumpError: the modes differ, or the entries do not line up (missing keys, other
-            order or shapes).
+        DumpError: the modes differ, or the entries do not line up (a key in one run only,
+            named, or other shapes).
     """
     if a.manifest["mode"] != b.manifest["mode"]:
         raise DumpError(f"{a.folder} is a {a.manifest['mode']} dump, {b.folder} a "
                         f"{b.manifest['mode']} dump")
     entries_a, entries_b = a.manifest["entries"], b.manifest["entries"]
-    keys_a, keys_b = [e["key"] for e in entries_a], [e["key"] for e in entries_b]
-    if keys_a != keys_b:
-        missing = sorted(set(keys_a) ^ set(keys_b))[:3]
-        raise DumpError(f"{a.folder} and {b.folder} do not line up: entries differ "
-                        f"({len(keys_a)} vs {len(keys_b)}; e.g. {missing or 'order'})")
+    by_key_b = {e["key"]: e for e in entries_b}
+    keys_a = {e["key"] for e in entries_a}
+    only_a = next((e["key"] for e in entries_a if e["key"] not in by_key_b), None)
+    only_b = next((e["key"] for e in entries_b if e["key"] not in keys_a), None)
+    if only_a is not None or only_b is not None:
+        raise DumpError(f"{a.folder} and {b.folder} do not line up: {len(entries_a)} vs "
+                        f"{len(entries_b)} entries; first only in the reference: {only_a}; "
+                        f"first only in the other run: {only_b}")
     results = []
-    for entry_a, entry_b in zip(entries_a, entries_b):
+    for entry_a in entries_a:
+        entry_b = by_key_b[entry_a["key"]]
         if entry_a["shape"] != entry_b["shape"]:
             raise DumpError(f"{entry_a['key']}: shape {entry_a['shape']} vs "
                             f"{entry_b['shape']}")
@@ -333,12 +438,17 @@ def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
             metrics = _compare_statistics(entry_a, entry_b)
         norm_a, norm_b = entry_a["stats"]["norm"], entry_b["stats"]["norm"]
         norm_error = abs(norm_b - norm_a) / max(abs(norm_a), torch.finfo(torch.float32).tiny)
+        diverged = _diverged(metrics, norm_error, entry_a["stats"], entry_b["stats"], dtype)
+        if metrics.count == 0 and math.prod(entry_a["shape"]):
+            # Metrics of no elements default to agreement (cosine 1, errors 0).
+            metrics = dataclasses.replace(metrics, cosine=math.nan, max_abs=math.nan,
+                                          max_rel=math.nan, thousandth_ratio=math.nan,
+                                          five_thousandths_ratio=math.nan)
         results.append(EntryComparison(
             entry_a["key"], entry_a["module"], entry_a["phase"], entry_a["io"],
             str(dtype).removeprefix("torch."), metrics.cosine, metrics.max_abs,
             metrics.max_rel, metrics.thousandth_ratio, metrics.five_thousandths_ratio,
-            _diverged(metrics, norm_error, entry_a["stats"], entry_b["stats"], dtype),
-            norm_error))
+            diverged, norm_error))
     return results
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opforge.core.errors import DtypeError
+
 # (small value, absolute tolerance below it): msprobe's absolute-threshold table.
 SMALL_VALUES = {torch.float32: (2.0**-20, 1e-9), torch.float16: (2.0**-10, 1e-5),
                 torch.bfloat16: (2.0**-10, 1e-5), torch.float64: (2.0**-40, 1e-15)}
@@ -121,11 +123,18 @@ def compare_tensors(actual: torch.Tensor, golden: torch.Tensor, *,
 
     Raises:
         ValueError: the shapes differ.
+        DtypeError: a complex tensor or dtype (its imaginary part would be dropped), or a
+            floating-point dtype without thresholds here (float8).
     """
     if tuple(actual.shape) != tuple(golden.shape):
         raise ValueError(f"shape {tuple(actual.shape)} differs from the golden's "
                          f"{tuple(golden.shape)}")
     dtype = dtype or actual.dtype
+    for name, given in (("actual", actual.dtype), ("golden", golden.dtype), ("dtype", dtype)):
+        if given.is_complex or (given.is_floating_point and given not in MANTISSA_BITS):
+            raise DtypeError("no precision metrics for this dtype", param=name,
+                             expected="float64, float32, float16, bfloat16, an integer "
+                                      "or bool dtype", got=str(given))
     a = actual.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     g = golden.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
     binary_mismatch = int((actual.detach().cpu().reshape(-1).to(golden.dtype)

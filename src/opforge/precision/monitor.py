@@ -8,14 +8,14 @@
     print(mon.summary())
 
 Forward hooks record statistics of every module's input and output tensors; tensor hooks on
-the inputs record the gradients each module's backward produces (module full-backward hooks
-would break in-place operations downstream). Statistics (the L2 norm, and max |x| of
-float16/bfloat16 tensors; with ``detailed=True`` also min, max, mean, NaN and Inf counts and
-the shares of values near the float16/bfloat16 overflow and underflow limits) stay on the
-device until `Monitor.step`, which moves all of
-the step's records to the host in one transfer. Records keep their execution order, so the
-first record of a step that holds a NaN is where the NaN appeared — the origin — and that is
-the module an alert names.
+them record their gradients (module full-backward hooks would break in-place operations
+downstream). Statistics (max |x| and the L2 norm; with ``detailed=True`` also min, max,
+mean, NaN and Inf counts and the shares of values near the float16/bfloat16 overflow and
+underflow limits) stay on the device until `Monitor.step`, which moves all of the step's
+records to the host in one transfer. Records keep their execution order, so the first
+forward record of a step that holds a NaN is where the NaN appeared, and a bad gradient is
+traced to the module whose output gradient was clean and whose input gradient is not
+(`_origin`): that origin is the module an alert names.
 
 Alert kinds: ``nan``, ``inf`` (float32/64 tensors), ``overflow`` (Inf in a float16/bfloat16
 tensor, or values within a factor 2 of its largest finite value), ``spike`` (a tensor's norm
@@ -87,48 +87,74 @@ def _limits(dtype: torch.dtype) -> torch.finfo:
     return torch.finfo(dtype if dtype in _LOW_PRECISION else torch.float16)
 
 
-def _stat_scalars(tensor: torch.Tensor, detailed: bool) -> list[torch.Tensor]:
-    """The `STATS` of ``tensor`` as float32 0-d tensors on its device, the first as the sum
-    of squares: its square root is taken on the host, which saves a device op per record."""
+def _scaled(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(wide, lowest, highest, max_abs, scaled) of a nonempty floating-point ``tensor``,
+    on its device: ``wide`` is the tensor flattened in float32 (float64 for float64),
+    ``scaled`` is wide / max |x| (wide when max |x| is 0). NaN and Inf propagate into
+    lowest, highest and max_abs."""
     flat = tensor.detach().reshape(-1)
-    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-    squares = torch.dot(wide, wide).float()
-    if flat.dtype in _LOW_PRECISION:
-        lowest, highest = torch.aminmax(flat)
-        max_abs = torch.maximum(lowest.abs(), highest.abs()).float()
-    else:
-        max_abs = squares
+    wide = flat.to(torch.float64 if flat.dtype == torch.float64 else torch.float32)
+    lowest, highest = (bound.to(wide.dtype) for bound in torch.aminmax(flat))
+    max_abs = torch.maximum(-lowest, highest)
+    # The squares of finite float32 values above 1.8e19 (float64: 1.3e154) overflow; those
+    # of x / max |x| are at most 1, so their sum cannot.
+    scaled = wide / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    return wide, lowest, highest, max_abs, scaled
+
+
+def _scaled_mean(scaled: torch.Tensor, lowest: torch.Tensor, highest: torch.Tensor,
+                max_abs: torch.Tensor) -> torch.Tensor:
+    """The mean from `_scaled`'s results, without overflow: with an Inf present the scaled
+    mean is NaN, and the mean is +Inf, -Inf or NaN (both signs), which is lowest + highest."""
+    return torch.where(max_abs.isfinite(), scaled.mean() * max_abs, lowest + highest)
+
+
+def _scaled_norm(scaled_squares: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
+    """The L2 norm from sum(scaled^2) and max |x| (`_scaled`), on the device; `_norm` is
+    the same on the host. NaN when the tensor holds a NaN, Inf when it holds an Inf."""
+    return torch.where(max_abs.isfinite(), max_abs * scaled_squares.sqrt(), max_abs)
+
+
+def _stat_scalars(tensor: torch.Tensor, detailed: bool) -> list[torch.Tensor]:
+    """The `STATS` of ``tensor`` as 0-d tensors on its device, in float32 (float64 for a
+    float64 tensor), the first as the sum of squares of x / max |x|: `_norm` turns it into
+    the norm on the host, which saves device ops per record."""
+    wide, lowest, highest, max_abs, scaled = _scaled(tensor)
+    squares = torch.dot(scaled, scaled)
     if not detailed:
         return [squares, max_abs]
     limits = _limits(tensor.dtype)
     magnitude = wide.abs()
-    count = flat.numel()
+    count = wide.numel()
     return [
-        squares, max_abs, wide.amin().float(), wide.amax().float(),
-        (wide.sum() / count).float(),
-        flat.isnan().sum().float(),
-        flat.isinf().sum().float(),
-        ((magnitude > limits.max / 2) & magnitude.isfinite()).sum().float() / count,
-        ((magnitude > 0) & (magnitude < limits.tiny)).sum().float() / count,
+        squares, max_abs, lowest, highest, _scaled_mean(scaled, lowest, highest, max_abs),
+        wide.isnan().sum().to(wide.dtype),
+        wide.isinf().sum().to(wide.dtype),
+        ((magnitude > limits.max / 2) & magnitude.isfinite()).sum().to(wide.dtype) / count,
+        ((magnitude > 0) & (magnitude < limits.tiny)).sum().to(wide.dtype) / count,
     ]
 
 
-def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
-    """The `STATS` of ``tensor`` as a float32 vector on its device (no synchronisation):
-    the first two, or all nine with ``detailed``.
+def _norm(scaled_squares: float, max_abs: float) -> float:
+    """The L2 norm from the first two `_stat_scalars` read back: max |x| is NaN or Inf
+    exactly when the tensor holds a NaN or an Inf, and is then the norm."""
+    return max_abs * math.sqrt(scaled_squares) if math.isfinite(max_abs) else max_abs
 
-    ``norm`` is sqrt(x . x), one dot product: NaN when the tensor holds a NaN, Inf when it
-    holds an Inf or a finite value whose square overflows (|x| > 1.8e19 in float32).
-    ``max_abs`` is max |x| for float16/bfloat16 tensors, whose overflow rule needs it; for
-    wider dtypes it repeats the norm, an upper bound, rather than pay a second pass. With
+
+def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
+    """The `STATS` of a floating-point ``tensor`` with at least one element, as a vector on
+    its device (float32; float64 for a float64 tensor), without a synchronisation: the
+    first two, or all nine with ``detailed``.
+
+    ``norm`` is the L2 norm, computed as max |x| * sqrt(sum((x / max |x|)^2)) so that it
+    overflows only when the norm itself is beyond the dtype's range: NaN when the tensor
+    holds a NaN, Inf when it holds an Inf (and no NaN). ``max_abs`` is max |x|. With
     ``detailed``: min, max, mean, the NaN and Inf counts, the share of finite values above
     half the largest finite value of the low-precision dtype (the tensor's own, float16
     otherwise) and the share of nonzero values below its smallest normal.
     """
     squares, max_abs, *rest = _stat_scalars(tensor, detailed)
-    if max_abs is squares:
-        max_abs = squares.sqrt()
-    return torch.stack([squares.sqrt(), max_abs, *rest])
+    return torch.stack([_scaled_norm(squares, max_abs), max_abs, *rest])
 
 
 @dataclass(frozen=True)
@@ -150,10 +176,17 @@ class Peak:
 @dataclass
 class _Record:
     module: str
+    call: int                   # the module's call number in the step, from 0
     phase: str
     io: str
+    index: int                  # the tensor's position among the call's inputs or outputs
     dtype: torch.dtype
     stats: list[torch.Tensor]
+
+    @property
+    def key(self) -> tuple[str, int, str, str, int]:
+        """What the spike history is kept by: one tensor of one call, step after step."""
+        return (self.module, self.call, self.phase, self.io, self.index)
 
 
 class Monitor:
@@ -171,10 +204,10 @@ class Monitor:
         min_loss_scale: a loss scale passed to `step` below this is a collapse.
         callbacks: called with each `Alert` (their exceptions are logged, not raised).
         log_path: JSONL file that receives each alert.
-        detailed: also count NaN/Inf values and measure the near-overflow/underflow
-            shares of every tensor (several extra passes per tensor; without it a NaN,
-            Inf or overflow is still detected, from min/max/mean); their largest values and
-            where they occurred are kept in `peaks`.
+        detailed: also record min, max and mean, count NaN/Inf values and measure the
+            near-overflow/underflow shares of every tensor (several extra passes per
+            tensor; without it a NaN, Inf or overflow is still detected, from max |x|);
+            the largest shares and where they occurred are kept in `peaks`.
     """
 
     def __init__(self, model: torch.nn.Module, *, modules: Sequence[str] | None = None,
@@ -201,8 +234,9 @@ class Monitor:
         # tensor is enough; the second record shares the first one's statistics.
         self._recorded: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._handles: list[Any] = []
-        self._means: dict[tuple[str, str, str], float] = {}
-        self._seen: dict[tuple[str, str, str], int] = {}
+        self._calls: dict[str, int] = {}
+        self._means: dict[tuple[str, int, str, str, int], float] = {}
+        self._seen: dict[tuple[str, int, str, str, int], int] = {}
         self._grad_norm_mean: float | None = None
         self.peaks: dict[str, Peak] = {}
         self._active = False
@@ -236,37 +270,49 @@ class Monitor:
             self._failed = True
             logger.exception("opforge monitor: recording failed; monitoring stops")
 
-    def _record(self, module: str, phase: str, io: str, tensor: torch.Tensor) -> None:
+    def _record(self, module: str, call: int, phase: str, io: str, index: int,
+                tensor: torch.Tensor) -> None:
         if not tensor.is_floating_point() or not tensor.numel():
             return
+        # Inference tensors (made under torch.inference_mode) have no version counter, so
+        # nothing tells whether they changed in place since: measure them every time.
+        version = None if tensor.is_inference() else tensor._version
         seen = self._recorded.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+        if (version is not None and seen is not None and seen[0]() is tensor
+                and seen[1] == version):
             stats = seen[2]
         else:
             stats = _stat_scalars(tensor, self.detailed)
-            self._recorded[id(tensor)] = (weakref.ref(tensor), tensor._version, stats)
-        self._records.append(_Record(module, phase, io, tensor.dtype, stats))
+            if version is not None:
+                self._recorded[id(tensor)] = (weakref.ref(tensor), version, stats)
+        self._records.append(_Record(module, call, phase, io, index, tensor.dtype, stats))
 
     def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             def body() -> None:
-                for tensor in _tensors(inputs):
-                    self._record(name, "forward", "input", tensor)
-                    self._watch_grad(name, "input", tensor)
-                for tensor in _tensors(output):
-                    self._record(name, "forward", "output", tensor)
-                    # The gradient of an output is the gradient of the next module's input,
-                    # produced by that module's backward: only the model's own output
-                    # gradient (the loss's) is recorded here.
-                    if module is self.model:
-                        self._watch_grad(name, "output", tensor)
+                call = self._calls.get(name, 0)
+                self._calls[name] = call + 1
+                # A forward hook that fires during a backward pass is an activation
+                # checkpoint's recomputation: its values were recorded by the forward it
+                # repeats. Its gradient hooks are still needed: a reentrant checkpoint
+                # backpropagates through the recomputed graph.
+                recomputed = torch._C._current_graph_task_id() != -1
+                for io, values in (("input", inputs), ("output", output)):
+                    for index, tensor in enumerate(_tensors(values)):
+                        if not recomputed:
+                            self._record(name, call, "forward", io, index, tensor)
+                        self._watch_grad(name, call, io, index, tensor)
             self._guarded(body)
         return hook
 
-    def _watch_grad(self, name: str, io: str, tensor: torch.Tensor) -> None:
+    def _watch_grad(self, name: str, call: int, io: str, index: int,
+                    tensor: torch.Tensor) -> None:
+        # The gradients of both inputs and outputs are recorded: a module whose output
+        # gradient is finite and whose input gradient is not made the bad value itself
+        # (see `_origin`).
         if tensor.requires_grad:
             def hook(grad: torch.Tensor) -> None:
-                self._guarded(lambda: self._record(name, "backward", io, grad))
+                self._guarded(lambda: self._record(name, call, "backward", io, index, grad))
             tensor.register_hook(hook)
 
     # -- steps and rules -----------------------------------------------------------------
@@ -286,30 +332,31 @@ class Monitor:
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return None
-        total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-        if total_norm is not None:
-            return total_norm(grads)
-        return torch.stack([g.float().norm() for g in grads]).norm()
+        # Accumulated in float32 at least: a float16 norm overflows at 65504 although every
+        # gradient is finite, and loss-scaled float16 gradients get there at once.
+        norms = [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+                 for g in grads]
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
     def _analyze(self, loss_scale: float | None = None) -> None:
         records, self._records = self._records, []
         self._recorded.clear()
+        self._calls.clear()
         grad_norm = self._grad_norm()
         rows: list[list[float]] = []
         norm_value: float | None = None
         if records or grad_norm is not None:
-            parts = [torch.stack([s for r in records for s in r.stats])] if records else []
+            # A model split over devices has statistics on each: gather them on one.
+            stats = [s for r in records for s in r.stats]
             if grad_norm is not None:
-                parts.append(grad_norm.reshape(1).to(parts[0].device if parts else
-                                                     grad_norm.device))
+                stats.append(grad_norm)
+            device = stats[0].device
             # The step's only host synchronisation: every record and the gradient norm.
-            flat = torch.cat(parts).cpu().tolist()
+            flat = torch.stack([s.to(device) for s in stats]).cpu().tolist()
             width = len(STATS) if self.detailed else FAST_STATS
             rows = [flat[i * width:(i + 1) * width] for i in range(len(records))]
-            for row, record in zip(rows, records):
-                row[0] = math.sqrt(row[0]) if row[0] >= 0 else row[0]   # NaN stays NaN
-                if record.stats[1] is record.stats[0]:
-                    row[1] = row[0]
+            for row in rows:
+                row[0] = _norm(row[0], row[1])
             norm_value = flat[-1] if grad_norm is not None else None
         self._anomalies(records, rows)
         if norm_value is not None:
@@ -321,38 +368,37 @@ class Monitor:
 
     def _anomalies(self, records: list[_Record], rows: list[list[float]]) -> None:
         stat = {name: i for i, name in enumerate(STATS)}
-        first: dict[str, tuple[_Record, float]] = {}
+        kinds = [_kind(record, row) for record, row in zip(records, rows)]
+        for kind in dict.fromkeys(k for k in kinds if k is not None):
+            origin = _origin(records, [k == kind for k in kinds])
+            record, row = records[origin], rows[origin]
+            if kind == "overflow":
+                value = row[stat["max_abs"]]
+                if self.detailed and math.isinf(value):
+                    value = row[stat["inf"]]
+            else:
+                value = row[stat[kind]] if self.detailed else 1.0
+            what = {"nan": "NaN values", "inf": "Inf values",
+                    "overflow": f"values at the {record.dtype} overflow limit"}[kind]
+            self._emit(Alert(kind, record.module, record.phase, record.io, self.steps,
+                             self.rank, float(value),
+                             f"first {what} in the {record.phase} {record.io} of "
+                             f"{record.module or '<model>'}"))
         spike: tuple[_Record, float, float] | None = None
         for record, row in zip(records, rows):
             if self.detailed:
                 self._track_peaks(record, row, stat)
-            low = record.dtype in _LOW_PRECISION
-            norm, max_abs = row[stat["norm"]], row[stat["max_abs"]]
-            detailed = self.detailed
-            if math.isnan(norm) or math.isnan(max_abs):
-                first.setdefault("nan", (record, row[stat["nan"]] if detailed else 1.0))
-            elif low and (math.isinf(max_abs) or max_abs > _limits(record.dtype).max / 2):
-                first.setdefault("overflow", (record, row[stat["inf"]] if detailed
-                                              and math.isinf(max_abs) else max_abs))
-            elif not low and math.isinf(norm):
-                first.setdefault("inf", (record, row[stat["inf"]] if detailed else 1.0))
-            key = (record.module, record.phase, record.io)
-            mean = self._means.get(key)
-            seen = self._seen.get(key, 0)
-            if (spike is None and mean is not None and seen >= self.warmup
+            norm, mean = row[stat["norm"]], self._means.get(record.key)
+            if (spike is None and mean is not None
+                    and self._seen.get(record.key, 0) >= self.warmup
                     and math.isfinite(norm) and norm > (1 + self.spike_threshold) * mean):
                 spike = (record, norm, mean)
             if math.isfinite(norm):
-                self._means[key] = norm if mean is None else (
+                self._means[record.key] = norm if mean is None else (
                     self.momentum * mean + (1 - self.momentum) * norm)
-                self._seen[key] = seen + 1
-        for kind, (record, count) in first.items():
-            what = {"nan": "NaN values", "inf": "Inf values",
-                    "overflow": f"values at the {record.dtype} overflow limit"}[kind]
-            self._emit(Alert(kind, record.module, record.phase, record.io, self.steps,
-                             self.rank, float(count),
-                             f"first {what} in the {record.phase} {record.io} of "
-                             f"{record.module or '<model>'}"))
+        # Warm-up counts steps: a key seen twice in one step (a second backward) is one.
+        for key in {r.key for r, row in zip(records, rows) if math.isfinite(row[stat["norm"]])}:
+            self._seen[key] = self._seen.get(key, 0) + 1
         if spike is not None:
             record, norm, mean = spike
             self._emit(Alert("spike", record.module, record.phase, record.io, self.steps,
@@ -377,8 +423,9 @@ class Monitor:
         if over_limit or exploded or not math.isfinite(norm):
             reference = self.grad_norm_limit if over_limit else mean
             self._emit(Alert("grad_norm", "<parameters>", "step", "-", self.steps, self.rank,
-                             norm, f"total gradient norm {norm:.4g} (reference "
-                             f"{reference if reference is not None else float('nan'):.4g})"))
+                             norm, f"total gradient norm {norm:.4g} (" + (
+                                 f"reference {reference:.4g})" if reference is not None
+                                 else "no history yet)")))
         if math.isfinite(norm):
             self._grad_norm_mean = norm if mean is None else (
                 self.momentum * mean + (1 - self.momentum) * norm)
@@ -405,6 +452,43 @@ class Monitor:
                   f"{a.module or '<model>'} | {a.phase} | {a.io} | {a.value:.4g} | {a.detail} |"
                   for a in self.alerts]
         return "\n".join(lines)
+
+
+def _kind(record: _Record, row: list[float]) -> str | None:
+    """The NaN/Inf/overflow rule a record breaks, if any (NaN first)."""
+    max_abs = row[STATS.index("max_abs")]
+    if math.isnan(max_abs):
+        return "nan"
+    if record.dtype in _LOW_PRECISION:
+        limit = _limits(record.dtype).max / 2
+        return "overflow" if math.isinf(max_abs) or max_abs > limit else None
+    return "inf" if math.isinf(max_abs) else None
+
+
+def _origin(records: Sequence[_Record], hit: Sequence[bool]) -> int:
+    """Index of the record that names where a kind of anomaly (``hit``, one flag per record,
+    at least one set) started in a step.
+
+    Records are in execution order, so a forward anomaly starts at its first record. In
+    the backward the first bad gradient may be the output gradient of a module that only
+    received it: the bad value was made by the module that consumed that output. The
+    origin is therefore the module call whose recorded output gradients are all clean and
+    one of whose input gradients is bad, the first such input gradient in backward order
+    (an inner module's input gradient precedes its parent's, so the innermost one). When
+    no call qualifies, the gradient was bad when it reached the model (the loss's): the
+    origin is the outermost module among the records of the first bad gradient tensor.
+    """
+    hits = [i for i, flag in enumerate(hit) if flag]
+    if records[hits[0]].phase != "backward":
+        return hits[0]
+    backward = [i for i in hits if records[i].phase == "backward"]
+    tainted = {(records[i].module, records[i].call) for i in backward
+               if records[i].io == "output"}
+    first = records[backward[0]]
+    outermost = min((i for i in backward if records[i].stats is first.stats),
+                    key=lambda i: records[i].module.count(".") + bool(records[i].module))
+    return next((i for i in backward if records[i].io == "input"
+                 and (records[i].module, records[i].call) not in tainted), outermost)
 
 
 def hook_modules(model: torch.nn.Module, filters: Sequence[str] | None,
