@@ -131,3 +131,57 @@ def test_compile_check_needs_compiled_kernels():
     with pytest.raises(ValueError, match="cuda:<cc>"):
         parse_target("gfx942")
     assert parse_target("cuda:80")[1].name == "a100"
+
+
+# ---------------------------------------------------------------------------------------------
+# opforge profile: what runs, and how it fails
+
+
+def test_profile_strips_only_an_interpreter(tmp_path, capsys):
+    """A script whose name starts with "python" is the script, not the interpreter."""
+    from opforge.cli import _script
+
+    script = tmp_path / "python_helper.py"
+    script.write_text("import sys\nprint('args', sys.argv)\n")
+    for interpreter in ("python", "python3", "python3.11", "/usr/bin/python3", sys.executable):
+        assert _script(["--", interpreter, str(script), "2"]) == (
+            "path", str(script), [str(script), "2"])
+    assert main(["profile", "--out", str(tmp_path / "p"), "--", str(script), "2"]) == 0
+    assert f"args {[str(script), '2']}" in capsys.readouterr().out
+
+
+def test_profile_runs_a_python_command_found_on_path(tmp_path, monkeypatch, capsys):
+    """`opforge profile -- opforge demo` runs the `opforge` console script as `opforge demo`
+    would; a command that is not Python is refused with a usage error."""
+    from opforge.cli import _script
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "traincmd").write_text("#!/usr/bin/env python\nimport sys\n"
+                                      "print('command args', sys.argv[1:])\n")
+    (bin_dir / "shellcmd").write_text("#!/bin/sh\necho not python\n")
+    for name in ("traincmd", "shellcmd"):
+        (bin_dir / name).chmod(0o755)
+    venv_bin = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), venv_bin, os.environ["PATH"]]))
+    kind, target, argv = _script(["--", "opforge", "demo", "--steps", "1"])
+    assert (kind, argv[1:]) == ("path", ["demo", "--steps", "1"])
+    assert os.path.samefile(target, os.path.join(venv_bin, "opforge"))
+    assert main(["profile", "--out", str(tmp_path / "p"), "--", "traincmd", "a"]) == 0
+    assert "command args ['a']" in capsys.readouterr().out
+    assert main(["profile", "--out", str(tmp_path / "q"), "--", "shellcmd"]) == 2
+    assert "not a Python script" in capsys.readouterr().out
+    assert main(["profile", "--out", str(tmp_path / "q"), "--", "no_such_script.py"]) == 2
+    assert "error" in capsys.readouterr().out
+
+
+def test_profile_refuses_an_unknown_hardware_before_running(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    argv = sys.argv
+    assert main(["profile", "--hardware", "nope", "--out", str(tmp_path / "p"), "--",
+                 "python", str(script)]) == 2
+    captured = capsys.readouterr()
+    assert "error" in captured.out and "unknown hardware profile" in captured.out
+    assert "the script ran" not in captured.err and sys.argv is argv
+    assert main(["analyse", str(tmp_path), "--hardware", "nope"]) == 2

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 import opforge
 from opforge import cli
+from opforge.core import hardware
 from opforge.core import plan as plan_module
+from opforge.core.errors import AttrError, DeviceError
 from opforge.core.hardware import HardwareProfile, get_profile
 from opforge.profiler import analyse, bench, report, roofline, tables, timeline
 from opforge.profiler.costs import aten_cost
@@ -88,7 +90,8 @@ def test_advice_names_the_cause():
     ("aten::matmul", [[7], [7, 4]], ["float", "float"], [], 2 * 4 * 7, 4 * (7 + 28 + 4), (4,)),
     ("aten::linear", [[2, 9, 8], [5, 8], [5]], ["float"] * 3, [], 2 * 18 * 8 * 5,
      4 * (144 + 40 + 5 + 90), (2, 9, 5)),
-    ("aten::conv2d", [[2, 4, 9, 9], [6, 2, 3, 3], [6], [], [], [], []], ["float"] * 3 + [""] * 4,
+    ("aten::conv2d", [[2, 4, 9, 9], [6, 2, 3, 3], [6], [], [], [], []],
+     ["float"] * 3 + ["ScalarList"] * 3 + ["Scalar"],
      ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "2"], 2 * (2 * 6 * 5 * 5) * 2 * 9,
      4 * (648 + 108 + 6 + 300), (2, 6, 5, 5)),
     ("aten::add", [[4, 8], [8], []], ["float", "float", "Scalar"], [], 32, 4 * (32 + 8 + 32),
@@ -101,6 +104,9 @@ def test_advice_names_the_cause():
     ("aten::embedding", [[100, 8], [3, 5]], ["float", "long int"], [], 0,
      2 * 4 * 120 + 8 * 15, (3, 5, 8)),
     ("aten::view", [[4, 4], []], ["float", ""], [], 0, 0, None),
+    # A copy writes its destination's dtype (bfloat16), reading the float32 source.
+    ("aten::copy_", [[10], [10], []], ["c10::BFloat16", "float", "Scalar"], [], 0, 40 + 20,
+     (10,)),
 ])
 def test_torch_operator_costs(name, dims, types, concrete, flops, moved, out):
     cost = aten_cost(name, dims, types, concrete)
@@ -480,13 +486,17 @@ def test_profile_command_runs_a_script(tmp_path, monkeypatch, capsys):
     assert cli.main(["analyse", str(out), "--top", "3"]) == 0
 
 
-def test_profile_command_passes_the_exit_status(tmp_path):
+def test_profile_command_passes_the_exit_status(tmp_path, capsys):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(3)\n")
     assert cli.main(["profile", "--out", str(tmp_path / "p"), "--", str(script)]) == 3
     assert (tmp_path / "p" / "report.html").exists()
-    with pytest.raises(SystemExit, match="give the script"):
-        cli.main(["profile", "--out", str(tmp_path / "q"), "--", "python"])
+    assert cli.main(["profile", "--out", str(tmp_path / "q"), "--", "python"]) == 2
+    assert "give the script" in capsys.readouterr().out
+    # sys.exit("message"): like Python, the message goes to stderr and the status is 1.
+    script.write_text("import sys\nsys.exit('fatal: bad config')\n")
+    assert cli.main(["profile", "--out", str(tmp_path / "p"), "--", str(script)]) == 1
+    assert "fatal: bad config" in capsys.readouterr().err
 
 
 def test_bench_measures_opforge_against_torch(tmp_path):
@@ -621,3 +631,225 @@ def test_wait_steps_keep_no_records(tmp_path):
             prof.step()
     assert len(prof._records) <= 2
     assert [k.type for k in prof.result.kernels].count("opforge::softmax") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs of torch's operators in a real CPU profile, against the tensors they made
+
+F = torch.nn.functional
+
+
+def _torch_calls():
+    """(kernel name, call, the tensors it reads, or None for a view that moves nothing)."""
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(6, 3, 3, 3)
+    logits, target = torch.randn(8, 3), torch.randint(0, 3, (8,))
+    a, b = torch.randn(24, 40), torch.randn(4, 5, 7)
+    at, xb, two = a.t(), torch.randn(8, 8, dtype=torch.bfloat16), torch.tensor(2.0)
+    return [
+        ("aten::conv2d", lambda: F.conv2d(x, w, padding="same"), (x, w)),
+        ("aten::conv2d", lambda: F.conv2d(x, w, padding="valid"), (x, w)),
+        ("aten::cross_entropy_loss", lambda: F.cross_entropy(logits, target), (logits, target)),
+        ("aten::cross_entropy_loss", lambda: F.cross_entropy(logits, target, reduction="none"),
+         (logits, target)),
+        ("aten::mul", lambda: xb * two, (xb, two)),
+        ("aten::randint", lambda: torch.randint(0, 3, (8,)), ()),
+        ("aten::randint", lambda: torch.randint(5, (4, 2), dtype=torch.int32), ()),
+        ("aten::zeros", lambda: torch.zeros(3, 5, dtype=torch.bfloat16), ()),
+        # Copies: the source read, the result written.
+        ("aten::to", lambda: a.to(torch.bfloat16), (a,)),
+        ("aten::contiguous", lambda: at.contiguous(), (at,)),
+        ("aten::reshape", lambda: at.reshape(-1), (at,)),
+        ("aten::flatten", lambda: at.flatten(), (at,)),
+        ("aten::type_as", lambda: a.type_as(xb), (a,)),
+        # The same operators when the layout or dtype allows a view, and views.
+        ("aten::to", lambda: a.to(torch.float32), None),
+        ("aten::reshape", lambda: a.reshape(-1), None),
+        ("aten::flatten", lambda: a.flatten(), None),
+        *((f"aten::{name}", lambda name=name: getattr(b, name), None)
+          for name in ("mT", "mH")),
+        ("aten::numpy_T", lambda: a.T, None),
+        ("aten::matrix_H", lambda: a.H, None),
+        ("aten::adjoint", lambda: b.adjoint(), None),
+        ("aten::movedim", lambda: b.movedim(0, 2), None),
+        ("aten::swapaxes", lambda: b.swapaxes(0, 1), None),
+    ]
+
+
+@pytest.fixture(scope="module")
+def torch_ops_profile(tmp_path_factory):
+    calls = _torch_calls()
+    outputs = [call() for _, call, _ in calls]
+    with opforge.profile(tmp_path_factory.mktemp("torch_ops")) as prof:
+        for _, call, _ in calls:
+            call()
+    return calls, outputs, prof.result
+
+
+def test_torch_operator_costs_match_the_tensors_they_made(torch_ops_profile):
+    """On the CPU each call is one kernel; its bytes are what it read and wrote (a copying
+    `to`/`contiguous`/`reshape` costs its copy; a view nothing), its output shape the real
+    one: string paddings, losses, a 0-dim operand, randint's size and dtype."""
+    calls, outputs, result = torch_ops_profile
+    assert [k.name for k in result.kernels] == [name for name, _, _ in calls]
+    for kernel, (name, _, reads), out in zip(result.kernels, calls, outputs):
+        if reads is None:
+            assert (kernel.flops, kernel.bytes_moved) == (0, 0), name
+            continue
+        assert kernel.bytes_moved == sum(t.nbytes for t in reads) + out.nbytes, name
+        written = [math.prod(int(d) for d in shape.split(",") if d)
+                   for shape in kernel.output_shapes.split(";")]
+        if name in ("aten::reshape", "aten::flatten"):
+            # The shape its copy wrote (before the view that reshapes it): same elements.
+            assert written == [out.numel()], name
+        else:
+            assert kernel.output_shapes == ",".join(str(d) for d in out.shape), name
+        verdict = kernel.verdict(result.hardware)
+        assert verdict.bound != roofline.UNKNOWN and verdict.gbs > 0, name
+        assert "moves no data" not in roofline.advice(verdict, result.hardware,
+                                                      kernel.duration_us, None), name
+        if name == "aten::conv2d":
+            # 2 x output elements x input channels x kernel elements
+            assert kernel.flops == 2 * out.numel() * 3 * 9
+
+
+def test_a_copy_below_an_unshaped_call_is_unknown():
+    """A composite operator whose copy was recorded without shapes has no known cost: never
+    the zero of a view."""
+    events = [_x("aten::to", "cpu_op", 0, 10),
+              _x("aten::_to_copy", "cpu_op", 1, 8),
+              _x("aten::copy_", "cpu_op", 2, 6),
+              _x("aten::reshape", "cpu_op", 20, 5),
+              _x("aten::view", "cpu_op", 21, 2, **{"Input Dims": [[4, 4], []],
+                                                   "Input type": ["float", "ScalarList"]})]
+    rows = timeline.kernel_rows(timeline.parse([{"traceEvents": events}], {}), "CPU")
+    assert [(r.name, r.flops, r.bytes_moved) for r in rows] == [
+        ("aten::to", None, None), ("aten::reshape", 0, 0)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions: Python frames, re-entry, stale files, hardware by name
+
+
+def _opforge_calls():
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.ones(32)
+    y = opforge.layer_norm(opforge.gelu(x), (32,), weight)
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("with_stack", [False, True])
+def test_each_opforge_call_is_one_operator_with_its_record(tmp_path, with_stack):
+    """With Python frames between the dispatcher's event and the plan's annotation, the two
+    still merge: one row per call, the plan's cost, and host self time without the callees'."""
+    with opforge.use_backend("torch"), opforge.profile(tmp_path, with_stack=with_stack) as prof:
+        _opforge_calls()
+    rows = [o for o in prof.result.operators if o.name.startswith("opforge::")]
+    assert sorted(o.name for o in rows) == sorted(
+        f"opforge::{n}" for n in ("gelu", "layer_norm", "layer_norm_backward", "gelu_backward"))
+    gelu = opforge.plan("gelu", torch.randn(8, 32)).cost
+    for row in rows:
+        assert row.backend == "torch" and row.flops is not None
+        # The torch backend calls aten operators: their time is not the operator's own.
+        assert row.host_self_us < row.host_total_us, row.name
+    assert next(o.flops for o in rows if o.name == "opforge::gelu") == gelu.flops
+
+
+def test_a_session_entered_twice_reports_each_block(tmp_path):
+    session = opforge.profile(tmp_path)
+    with session:
+        opforge.softmax(torch.randn(4, 8), dim=-1)
+    with session:
+        opforge.gelu(torch.randn(4, 8))
+    types = {k.type for k in session.result.kernels}
+    assert "opforge::gelu" in types and "opforge::softmax" not in types
+    assert {k.type for k in analyse(tmp_path).kernels} == types
+
+
+def test_a_profile_without_memory_removes_the_previous_memory_file(tmp_path):
+    x = torch.randn(64, 64)
+    with opforge.profile(tmp_path, profile_memory=True):
+        opforge.softmax(x, dim=-1)
+    assert analyse(tmp_path).memory
+    with opforge.profile(tmp_path):
+        torch.relu(x)
+    assert not (tmp_path / "operator_memory.csv").exists()
+    assert analyse(tmp_path).memory == []
+
+
+def test_profile_takes_a_hardware_profile_by_name(tmp_path):
+    with opforge.profile(tmp_path, hardware="h100") as prof:
+        opforge.softmax(torch.randn(4, 8), dim=-1)
+    assert prof.result.hardware.name == "h100"
+    ran = []
+    with pytest.raises(AttrError, match="unknown hardware profile"), \
+            opforge.profile(tmp_path / "bad", hardware="h1000"):
+        ran.append(True)
+    assert not ran and not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+@pytest.fixture
+def calibration_dir(tmp_path, monkeypatch):
+    """A calibration cache of its own; the profiles cached from it are dropped after."""
+    monkeypatch.setenv("OPFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPFORGE_HARDWARE", raising=False)
+    hardware._runtime_profiles.clear()
+    yield tmp_path
+    hardware._runtime_profiles.clear()
+
+
+def test_calibration_scales_the_dtypes_it_did_not_measure(calibration_dir):
+    nominal = hardware._cpu_profile()
+    measured = nominal.peak(torch.float32) / 7
+    (calibration_dir / "calibration.json").write_text(json.dumps({"cpu:cpu": {
+        "memory_bandwidth": 3e9, "peak_flops": {"float32": measured}}}))
+    calibrated = get_profile("cpu")
+    assert calibrated.source == "calibrated" and calibrated.memory_bandwidth == 3e9
+    assert calibrated.peak(torch.float32) == measured
+    for dtype, peak in nominal.peak_flops.items():
+        ratio = peak / nominal.peak(torch.float32)
+        assert calibrated.peak(dtype) == pytest.approx(measured * ratio), dtype
+    assert hardware.profile_for("cpu").peak_flops == calibrated.peak_flops
+
+
+def test_calibrate_rewrites_a_corrupt_cache(calibration_dir):
+    path = calibration_dir / "calibration.json"
+    path.write_text("{not json")
+    assert get_profile("cpu").source == "estimate"  # read as no calibration
+    entry = hardware.calibrate("cpu", copy_bytes=1 << 20, matmul_size=32, repeats=1)
+    assert json.loads(path.read_text())["cpu:cpu"]["peak_flops"] == entry["peak_flops"]
+    assert get_profile("cpu").source == "calibrated"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_calibrate_refuses_a_missing_device(calibration_dir, capsys):
+    with pytest.raises(DeviceError, match="cuda"):
+        hardware.calibrate("cuda")
+    assert cli.main(["calibrate", "--device", "cuda"]) == 2
+    assert "error" in capsys.readouterr().out
+    assert not (calibration_dir / "calibration.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# opforge bench with sizes an operator does not take
+
+
+def test_bench_reports_sizes_an_operator_cannot_take_and_runs_the_others(tmp_path, capsys):
+    results, files = bench.run(["matmul", "softmax"], device="cpu", dtype=torch.float32,
+                               out_dir=tmp_path, shapes=[(8, 33)], compile=False,
+                               progress=False)
+    (refused,) = [r for r in results if r.op == "matmul"]
+    assert refused.ms is None and bench.shape_form(opforge.get_op("matmul").bench) in \
+        refused.error and "8x33" in refused.error
+    assert {r.impl for r in results if r.op == "softmax" and r.ms} == {"opforge", "torch"}
+    names = {p.name for p in files}
+    assert "bench_softmax.png" in names and "bench_matmul.png" not in names
+    csv_path = next(p for p in files if p.suffix == ".csv")
+    assert {row["op"] for row in csv.DictReader(csv_path.open())} == {"matmul", "softmax"}
+    # The command says why, and fails with 2 when no size of any operator could run.
+    assert cli.main(["bench", "matmul", "--shapes", "16x16", "--device", "cpu", "--out",
+                     str(tmp_path), "--no-compile", "--quiet"]) == 2
+    assert "matmul takes sizes of 1 number, like 256" in capsys.readouterr().out

@@ -53,6 +53,15 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _error(message: str) -> int:
+    """Print ``error: <message>`` on one line (no wrapping, no markup read from the
+    message) and return the exit code of bad input, 2."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    return 2
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -64,6 +73,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(DTYPES)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch's words for a missing device
+        return _error(f"device {device!r} is not usable here: {str(error).splitlines()[0]}")
     case_sets = ["samples", "sweep"] if args.cases == "all" else [args.cases]
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -204,6 +217,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         plot_errors,
         read_step,
         step_folders,
+        step_number,
     )
 
     run_a, run_b = Path(args.run_a), Path(args.run_b)
@@ -218,11 +232,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         compared = [(name, compare_steps(read_step(run_a / name), read_step(run_b / name),
                                          tolerance)) for name in names_a]
     except DumpError as error:
-        console.print(f"[red]error:[/] {error}")
-        return 2
+        return _error(str(error))
     diverged = [(name, results) for name, results in compared
                 if first_divergence(results) is not None]
-    name, results = diverged[0] if diverged else compared[0]
+    # The earliest step that diverged on any rank, not rank 0's first.
+    name, results = min(diverged, key=lambda item: step_number(run_a / item[0])[::-1]) \
+        if diverged else compared[0]
     first, growth = first_divergence(results), growth_point(results)
     table = Table(title=f"opforge compare {run_a} (reference) vs {run_b}: {name}")
     for column in ("#", "entry", "dtype", "cosine", "max abs", "max rel", "<1‰", "<5‰", ""):
@@ -266,55 +281,102 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_interpreter(word: str) -> bool:
+    """Whether ``word`` names a Python interpreter (``python``, ``python3.11``,
+    ``/usr/bin/python3``, this one), not a script whose name starts with "python"."""
+    import re
+
+    return (re.fullmatch(r"python(\d+(\.\d+)?t?)?(\.exe)?", Path(word).name) is not None
+            or Path(word).resolve() == Path(sys.executable).resolve())
+
+
+def _is_python_source(path: Path) -> bool:
+    try:
+        compile(path.read_text(), str(path), "exec")
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return False
+    return True
+
+
 def _script(command: Sequence[str]) -> tuple[str, str, list[str]]:
-    """(``"path"`` or ``"module"``, target, argv) of ``[python] script.py args`` or
-    ``[python] -m module args``."""
+    """(``"path"`` or ``"module"``, target, argv) of ``[python] script.py args``,
+    ``[python] -m module args`` or ``command args`` (a Python console script found on
+    ``PATH``, such as ``opforge``).
+
+    Raises:
+        ValueError: no script given, or none of that name (nor a Python command on PATH).
+    """
+    import shutil
+
     words = list(command)
     if words and words[0] == "--":
         words = words[1:]
-    if words and Path(words[0]).name.startswith("python"):
+    if words and _is_interpreter(words[0]):
         words = words[1:]
     if not words:
-        raise SystemExit("opforge profile: give the script to run, e.g. "
-                         "`opforge profile -- python train.py`")
+        raise ValueError("give the script to run, e.g. `opforge profile -- python train.py`")
     if words[0] == "-m":
         if len(words) < 2:
-            raise SystemExit("opforge profile: -m needs a module name")
+            raise ValueError("-m needs a module name")
         return "module", words[1], [words[1], *words[2:]]
-    return "path", words[0], words
+    if Path(words[0]).is_file():
+        return "path", words[0], words
+    # A command by name, as a shell would find it; it runs in this interpreter, so it
+    # must be Python source (console scripts are).
+    found = shutil.which(words[0]) if os.sep not in words[0] else None
+    if found is None:
+        raise ValueError(f"no script {words[0]!r}, nor a command of that name on PATH")
+    if not _is_python_source(Path(found)):
+        raise ValueError(f"{found} is not a Python script: opforge profile runs the script "
+                         "in its own interpreter")
+    return "path", found, [found, *words[1:]]
+
+
+def _exit_status(code: object) -> int:
+    """The status Python exits with for ``sys.exit(code)``; like Python, print a message
+    given instead of a number to stderr."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     import runpy
 
     import opforge
-    from opforge.core.hardware import get_profile
 
-    kind, target, argv = _script(args.script)
+    try:
+        kind, target, argv = _script(args.script)
+    except ValueError as error:
+        return _error(f"opforge profile: {error}")
+    # A bad --hardware is refused here, before the script runs.
+    session = opforge.profile(args.out, with_stack=args.with_stack,
+                              profile_memory=args.memory, hardware=args.hardware)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = argv
     sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
     status = 0
-    hardware = get_profile(args.hardware) if args.hardware else None
     try:
-        with opforge.profile(args.out, with_stack=args.with_stack,
-                             profile_memory=args.memory, hardware=hardware) as prof:
+        with session as prof:
             try:
                 if kind == "path":
                     runpy.run_path(target, run_name="__main__")
                 else:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
             except SystemExit as exit_:
-                status = exit_.code if isinstance(exit_.code, int) else (exit_.code is not None)
+                status = _exit_status(exit_.code)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     if prof.result is None:
         console.print("no profile written: another profiler was already recording")
-        return int(status) or 1
+        return status or 1
     prof.result.print_summary(console)
     console.print(f"profile written to {Path(args.out).resolve()}: open report.html, and "
                   "trace_view.json in https://ui.perfetto.dev")
-    return int(status)
+    return status
 
 
 def cmd_analyse(args: argparse.Namespace) -> int:
@@ -325,8 +387,7 @@ def cmd_analyse(args: argparse.Namespace) -> int:
         report = analyse(args.directory,
                          get_profile(args.hardware) if args.hardware else None)
     except (FileNotFoundError, ValueError, KeyError) as error:
-        console.print(f"[red]error:[/] {error}")
-        return 2
+        return _error(str(error))
     report.print_summary(console, top=args.top)
     return 0
 
@@ -342,8 +403,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    shapes=args.shapes, compile=not args.no_compile,
                                    progress=not args.quiet)
     except ValueError as error:
-        console.print(f"[red]error:[/] {error}")
-        return 2
+        return _error(str(error))
     table = Table(title="opforge bench")
     for column in ("op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "vs torch", "error"):
         table.add_column(column, overflow="fold")
@@ -351,8 +411,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table.add_row(r.op, r.shape, r.impl, *("" if v is None else f"{v:.{d}f}" for v, d in (
             (r.ms, 4), (r.gbs, 1), (r.tflops, 3), (r.speedup, 2))), r.error[:60])
     console.print(table)
+    for r in results:
+        if r.ms is None and r.impl == "opforge":
+            console.print(f"{r.op} {r.shape}: {r.error}", markup=False, highlight=False,
+                          soft_wrap=True)
     for path in files:
         console.print(f"wrote {path}")
+    if all(r.ms is None for r in results):
+        return 2
     return 1 if any(r.error and r.impl == "opforge" for r in results) else 0
 
 
@@ -477,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--memory", action="store_true",
                          help="record allocations (operator_memory.csv, the peak)")
     profile.add_argument("script", nargs=argparse.REMAINDER,
-                         help="-- python script.py [args] (or -m module [args])")
+                         help="-- python script.py [args] (or -m module [args], or a Python "
+                              "command on PATH: -- opforge demo)")
     analyse = sub.add_parser("analyse", help="summary and verdicts of a profile directory")
     analyse.add_argument("directory")
     analyse.add_argument("--hardware", default=None,
@@ -490,7 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16",
                        choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--shapes", default=None, type=_shapes,
-                       help="sizes instead of the operators' sweeps, e.g. 1024x4096,4096x4096")
+                       help="sizes instead of the operators' sweeps, e.g. 1024x4096,4096x4096 "
+                            "(each operator takes its own form: matmul one number, 256; an "
+                            "operator given another form reports it and the others run)")
     bench.add_argument("--out", default="bench_results", help="directory of the results")
     bench.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")

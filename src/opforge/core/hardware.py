@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from opforge.core.errors import AttrError, DeviceError
+
 KiB = 1024
 TB = 1e12
 
@@ -186,15 +188,15 @@ def get_profile(name: str) -> HardwareProfile:
     """A shipped profile by name (``h100``, ``h200``, ``a100``, ``ascend910b``, ``cpu``).
 
     Raises:
-        KeyError: no profile of that name; the message lists the known ones.
+        AttrError: no profile of that name; the message lists the known ones.
     """
     if name == "cpu":
         return _with_calibration(_cpu_profile())
     try:
         return PROFILES[name]
     except KeyError:
-        raise KeyError(f"unknown hardware profile {name!r}; known: "
-                       f"{', '.join([*PROFILES, 'cpu'])}") from None
+        raise AttrError("unknown hardware profile", param="hardware",
+                        expected=", ".join([*PROFILES, "cpu"]), got=repr(name)) from None
 
 
 @contextlib.contextmanager
@@ -223,22 +225,34 @@ def _calibration_key(profile: HardwareProfile) -> str:
     return f"{profile.device_type}:{profile.name}"
 
 
+def _read_calibration() -> dict[str, dict[str, object]]:
+    """The cached entries; none when the file is missing or unreadable (`calibrate`
+    rewrites it)."""
+    try:
+        entries = json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
 def _with_calibration(profile: HardwareProfile) -> HardwareProfile:
-    path = calibration_path()
-    if not path.exists():
+    """``profile`` with the cached measurements of its device. A dtype that was not
+    measured (float64 and 16-bit types on the CPU, float64 on GPUs) keeps its ratio to
+    float32 in ``profile``: its peak is scaled by measured / nominal float32."""
+    entry = _read_calibration().get(_calibration_key(profile))
+    if not isinstance(entry, dict):
         return profile
     try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
+        measured = {getattr(torch, name): float(value)
+                    for name, value in entry["peak_flops"].items()}
+        bandwidth = float(entry["memory_bandwidth"])
+        scale = measured[torch.float32] / profile.peak_flops[torch.float32]
+    except (KeyError, AttributeError, TypeError, ValueError):
         return profile
-    entry = entries.get(_calibration_key(profile))
-    if not entry:
-        return profile
-    flops = dict(profile.peak_flops)
-    for name, value in entry.get("peak_flops", {}).items():
-        flops[getattr(torch, name)] = value
-    return dataclasses.replace(profile, memory_bandwidth=entry["memory_bandwidth"],
-                               peak_flops=flops, source="calibrated")
+    flops = {dtype: measured.get(dtype, peak * scale)
+             for dtype, peak in profile.peak_flops.items()}
+    return dataclasses.replace(profile, memory_bandwidth=bandwidth,
+                               peak_flops={**flops, **measured}, source="calibrated")
 
 
 def median_seconds(fn: object, device: torch.device, repeats: int) -> float:
@@ -265,8 +279,18 @@ def calibrate(device: torch.device | str = "cpu", *, copy_bytes: int = 256 * 2**
     Matmul: ``n x n @ n x n`` in float32, and in bf16/fp16 on GPUs.
 
     Returns the cached entry: ``{"memory_bandwidth": B/s, "peak_flops": {dtype: FLOP/s}}``.
+    A calibration file that cannot be read is rewritten.
+
+    Raises:
+        DeviceError: ``device`` is not available on this machine.
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch's words for a missing device
+        raise DeviceError("device not usable here", param="device",
+                          expected="cpu or an available accelerator",
+                          got=f"{device} ({str(error).splitlines()[0]})") from None
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -284,7 +308,7 @@ def calibrate(device: torch.device | str = "cpu", *, copy_bytes: int = 256 * 2**
                                 "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = json.loads(path.read_text()) if path.exists() else {}
+    entries = _read_calibration()
     entries[_calibration_key(_builtin_profile(device))] = entry
     path.write_text(json.dumps(entries, indent=2))
     with _lock:

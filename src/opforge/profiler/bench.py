@@ -72,6 +72,14 @@ def time_call(fn: Callable[[], Any], device: torch.device) -> float:
     return median_seconds(fn, device, repeats)
 
 
+def shape_form(spec: BenchSpec) -> str:
+    """The sizes an operator's sweep takes, in words: ``"1 number, like 256"``."""
+    ranks = sorted({len(shape) for shape in (*spec.cpu_shapes, *spec.shapes)})
+    numbers = " or ".join(str(rank) for rank in ranks)
+    example = "x".join(str(d) for d in spec.cpu_shapes[0])
+    return f"{numbers} number{'s' if ranks != [1] else ''}, like {example}"
+
+
 def _case(opdef: OpDef, spec: BenchSpec, shape: tuple[int, ...], dtype: torch.dtype,
           device: torch.device) -> Case:
     generator = torch.Generator().manual_seed(0)
@@ -107,8 +115,12 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
              advance: Callable[[str], None] | None = None) -> list[BenchResult]:
     """Benchmark one operator over its sweep (or ``shapes``).
 
+    A size the operator cannot take (another number of dimensions than its sweep's, or
+    inputs its plan refuses) gives one result with no time and the error, naming the form
+    of size the operator takes; the other sizes still run.
+
     Raises:
-        KeyError: unknown operator; ValueError: the operator declares no `BenchSpec`.
+        OpError: unknown operator; ValueError: the operator declares no `BenchSpec`.
     """
     opdef = get_op(name)
     spec = opdef.bench
@@ -117,10 +129,22 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
                          f"{', '.join(benchmarked_ops())}")
     sweep = shapes or (spec.cpu_shapes if device.type == "cpu" else spec.shapes)
     results = []
+    ranks = {len(s) for s in (*spec.cpu_shapes, *spec.shapes)}
     for shape in sweep:
-        case = _case(opdef, spec, tuple(shape), dtype, device)
-        cost = plan(opdef, *case.inputs, **case.attrs).cost
         label = "x".join(str(d) for d in shape)
+        refused = f"{name} takes sizes of {shape_form(spec)}, not {label}"
+        try:
+            if len(shape) in ranks:
+                case = _case(opdef, spec, tuple(shape), dtype, device)
+                cost = plan(opdef, *case.inputs, **case.attrs).cost
+                refused = ""
+        except Exception as failure:  # reported with the size it failed for
+            refused += f": {type(failure).__name__}: {failure}"
+        if refused:
+            results.append(BenchResult(name, label, str(dtype).removeprefix("torch."),
+                                       "opforge", None, None, None, None, 0.0, 0.0,
+                                       refused[:300]))
+            continue
         baseline = None
         for impl, fn in _implementations(opdef, spec, case, compile):
             if advance is not None:
@@ -203,6 +227,10 @@ def run(ops: Sequence[str] | None = None, *, device: str | torch.device | None =
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = list(ops) if ops else benchmarked_ops()
     specs = {name: get_op(name).bench for name in names}
+    without = [name for name, spec in specs.items() if spec is None]
+    if without:
+        raise ValueError(f"{', '.join(without)}: no benchmark sweep; operators with one: "
+                         f"{', '.join(benchmarked_ops())}")
     steps = sum(len(shapes or (s.cpu_shapes if device.type == "cpu" else s.shapes))
                 * (2 + compile + len(s.peers)) for s in specs.values() if s is not None)
     results: list[BenchResult] = []
@@ -222,7 +250,9 @@ def run(ops: Sequence[str] | None = None, *, device: str | torch.device | None =
             results.extend(op_results)
             spec = specs[name]
             assert spec is not None
-            files.append(plot_op(op_results, spec, hardware, dtype, out / f"bench_{name}.png"))
+            if any(r.ms is not None for r in op_results):
+                files.append(plot_op(op_results, spec, hardware, dtype,
+                                     out / f"bench_{name}.png"))
     env = environment(device)
     rows = [asdict(r) for r in results]
     csv_path, md_path = write_results(out, "bench", rows, _markdown(results, env))

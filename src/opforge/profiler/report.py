@@ -109,6 +109,9 @@ class Report:
         tables.write_meta(out_dir / "profile_meta.json", self.meta)
         if self.memory:
             tables.write_memory(out_dir / "operator_memory.csv", self.memory)
+        else:
+            # `analyse` reads the file whenever it exists: a previous profile's must go.
+            (out_dir / "operator_memory.csv").unlink(missing_ok=True)
         self.plot(out_dir / "roofline.png")
         (out_dir / "report.html").write_text(self.html(out_dir / "roofline.png"))
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from opforge.core import plan as plan_module
-from opforge.core.hardware import HardwareProfile, profile_for
+from opforge.core.hardware import HardwareProfile, get_profile, profile_for
 from opforge.core.opdef import dtype_name
 from opforge.profiler import report, timeline
 from opforge.profiler.tables import ProfileMeta
@@ -103,8 +103,16 @@ class Profile:
         with_modules: record each ``nn.Module`` call as a scope.
         profile_memory: record every allocation and release (``operator_memory.csv``, the
             peak in the summary).
-        hardware: judge the kernels against this profile instead of the device's (its
-            calibrated figures when ``opforge calibrate`` has run, else the datasheet's).
+        hardware: judge the kernels against this profile, or the shipped profile of this
+            name (``"h100"``, ...), instead of the device's (its calibrated figures when
+            ``opforge calibrate`` has run, else the datasheet's).
+
+    Raises:
+        AttrError: ``hardware`` names no shipped profile (at construction, before the
+            block runs).
+
+    A session may be entered again: each block gets a fresh report, written over the
+    previous one in ``out_dir``.
 
     Attributes:
         out_dir: where the report files go.
@@ -118,7 +126,7 @@ class Profile:
                  schedule: Callable[[int], Any] | None = None, record_shapes: bool = True,
                  with_stack: bool = False, with_modules: bool = True,
                  profile_memory: bool = False,
-                 hardware: HardwareProfile | None = None) -> None:
+                 hardware: HardwareProfile | str | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.result: report.Report | None = None
         self._schedule = schedule
@@ -126,7 +134,7 @@ class Profile:
         self._with_stack = with_stack
         self._with_modules = with_modules
         self._profile_memory = profile_memory
-        self._hardware = hardware
+        self._hardware = get_profile(hardware) if isinstance(hardware, str) else hardware
         self._records: dict[int, dict[str, Any]] = {}
         self._sequence = itertools.count(1)
         self._lock = threading.Lock()
@@ -194,6 +202,7 @@ class Profile:
         return self._profiler is None and self in _open_sessions
 
     def __enter__(self) -> Profile:
+        self.result = None
         if _open_sessions or torch._C._autograd._profiler_enabled():
             warnings.warn(f"opforge.profile({str(self.out_dir)!r}): another profiler is "
                           "already recording; this block is recorded by it, and no report "
@@ -204,6 +213,10 @@ class Profile:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for stale in (self.out_dir / RAW_DIR).glob("trace_*.json"):
             stale.unlink()
+        # A session entered again starts over: the previous block's traces and records
+        # are not this block's.
+        self._traces, self._records = [], {}
+        self._sequence = itertools.count(1)
         with _quiet():
             schedule = self._schedule or self._module.schedule(wait=0, warmup=0,
                                                                active=1 << 30)

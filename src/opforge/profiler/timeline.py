@@ -7,8 +7,8 @@ The trace is the Chrome-format JSON that ``export_chrome_trace`` writes: complet
   other ``record_function`` annotations;
 - **operators**: torch's operators (``cpu_op``) and opforge's (the ``opforge::<op>#<n>``
   annotation that `Plan.run` leaves, merged into the dispatcher's ``opforge::<op>`` event
-  when the call came through ``torch.ops``), with the plan's record: shapes, dtypes,
-  backend, tiling, grid and cost;
+  when the call came through ``torch.ops``, whatever autograd shims and Python frames lie
+  between them), with the plan's record: shapes, dtypes, backend, tiling, grid and cost;
 - **runtime**: kernel launches (``cuda_runtime``, ``cuda_driver``);
 - **kernels**: device kernels and copies. A kernel belongs to the operator that launched it
   (its ``External id``, else its launch's ``correlation``). On a machine without device
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opforge.profiler.costs import TORCH_DTYPE_NAMES, aten_cost
+from opforge.profiler.costs import TORCH_DTYPE_NAMES, aten_cost, composite
 from opforge.profiler.tables import KernelRow, MemoryRow, OperatorRow, StepRow
 
 OPFORGE_PREFIX = "opforge::"
@@ -230,15 +230,27 @@ def _memory_event(event: Mapping[str, Any], start: float) -> MemoryEvent:
                        event.get("pid"), event.get("tid"))
 
 
+def _callees(event: Event, layers: Sequence[str]) -> Iterable[Event]:
+    """The events of ``layers`` that ``event`` calls: its children, and the first such
+    events below its framework children (Python frames with ``with_stack``, annotations)."""
+    for child in event.children:
+        if child.layer in layers:
+            yield child
+        elif child.layer == "framework":
+            yield from _callees(child, layers)
+
+
 def _merge_annotations(events: list[Event], by_external: dict[Any, Event]) -> list[Event]:
     """Fold each ``opforge::<op>#n`` annotation into the dispatcher's ``opforge::<op>``
-    event around it (through autograd shims): one operator, carrying the plan's record."""
+    event around it (through autograd shims and, with ``with_stack``, the Python frames
+    between them): one operator, carrying the plan's record."""
     dropped = set()
     for event in events:
         if event.record is None or event.cat != "user_annotation":
             continue
         target = event.parent
-        while target is not None and target.layer == "operator" and _is_wrapper(target):
+        while target is not None and (target.cat == "python_function" or (
+                target.layer == "operator" and _is_wrapper(target))):
             target = target.parent
         if (target is None or target.layer != "operator" or target.name != event.name
                 or target.record is not None):
@@ -322,12 +334,22 @@ def _recorded_tensors(event: Event) -> tuple[list[list[int]], list[str]]:
 
 
 def _cost(event: Event) -> tuple[float, float, str] | None:
-    """(FLOPs, bytes, output shapes) of an operator call, when known."""
+    """(FLOPs, bytes, output shapes) of an operator call, when known. A `composite` torch
+    operator costs what the operators it called cost (nothing when it called none: it was
+    a view), unknown when one of them has no known cost."""
     if event.record is not None:
         return (float(event.record["flops"]), float(event.record["bytes"]),
                 _shape_text(o["shape"] for o in event.record["outputs"]))
-    cost = aten_cost(event.name, event.args.get("Input Dims") or [],
-                     event.args.get("Input type") or [], event.args.get("Concrete Inputs") or [])
+    types = event.args.get("Input type") or []
+    if composite(event.name, types):
+        parts = [_cost(callee) for callee in _callees(event, ("operator",))]
+        known = [part for part in parts if part is not None]
+        if len(known) < len(parts):
+            return None
+        return (sum((p[0] for p in known), 0.0), sum((p[1] for p in known), 0.0),
+                ";".join(p[2] for p in known if p[2]))
+    cost = aten_cost(event.name, event.args.get("Input Dims") or [], types,
+                     event.args.get("Concrete Inputs") or [])
     if cost is None:
         return None
     return cost.flops, cost.bytes_moved, _shape_text(cost.output_shapes)
@@ -397,7 +419,7 @@ def operator_rows(timeline: Timeline) -> list[OperatorRow]:
     """One `OperatorRow` per operator call, in time order."""
     rows = []
     for op in sorted(timeline.operators, key=lambda e: e.ts):
-        children = sum(c.dur for c in op.children if c.layer in ("operator", "runtime"))
+        children = sum(c.dur for c in _callees(op, ("operator", "runtime")))
         device_self = sum(k.dur for k in op.kernels)
         device_total = sum(k.dur for e in op.subtree() for k in e.kernels)
         cost = _cost(op)
