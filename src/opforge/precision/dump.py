@@ -38,14 +38,7 @@ from typing import Any
 import torch
 
 from opforge.precision.metrics import Metrics, compare_tensors
-from opforge.precision.monitor import (
-    _rank,
-    _scaled,
-    _scaled_mean,
-    _scaled_norm,
-    _tensors,
-    hook_modules,
-)
+from opforge.precision.monitor import _rank, _tensors, hook_modules
 from opforge.precision.standards import THRESHOLDS
 
 logger = logging.getLogger("opforge")
@@ -73,14 +66,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def summary_stats(tensor: torch.Tensor) -> torch.Tensor:
     """(min, max, mean, norm) of a floating-point ``tensor`` as a vector on its device
     (float32; float64 for a float64 tensor), without a synchronisation. All four propagate
-    NaN and Inf (the mean of +Inf and -Inf is NaN); the norm and mean of finite values do
-    not overflow (see `opforge.precision.monitor.tensor_stats`). An empty tensor gives four
-    zeros."""
+    NaN and Inf (the mean of +Inf and -Inf is NaN); the norm is one dot product, Inf for
+    finite float32 values above 1.8e19 (see `opforge.precision.monitor.tensor_stats`). An
+    empty tensor gives four zeros."""
     if not tensor.numel():
         return torch.zeros(4, device=tensor.device)
-    _, lowest, highest, max_abs, scaled = _scaled(tensor)
-    return torch.stack([lowest, highest, _scaled_mean(scaled, lowest, highest, max_abs),
-                        _scaled_norm(torch.dot(scaled, scaled), max_abs)])
+    flat = tensor.detach().reshape(-1)
+    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    return torch.stack([wide.amin(), wide.amax(), wide.sum() / wide.numel(),
+                        torch.dot(wide, wide).sqrt()])
 
 
 def _step_statistics(row: Sequence[float]) -> dict[str, float]:

@@ -87,47 +87,27 @@ def _limits(dtype: torch.dtype) -> torch.finfo:
     return torch.finfo(dtype if dtype in _LOW_PRECISION else torch.float16)
 
 
-def _scaled(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(wide, lowest, highest, max_abs, scaled) of a nonempty floating-point ``tensor``,
-    on its device: ``wide`` is the tensor flattened in float32 (float64 for float64),
-    ``scaled`` is wide / max |x| (wide when max |x| is 0). NaN and Inf propagate into
-    lowest, highest and max_abs."""
-    flat = tensor.detach().reshape(-1)
-    wide = flat.to(torch.float64 if flat.dtype == torch.float64 else torch.float32)
-    lowest, highest = (bound.to(wide.dtype) for bound in torch.aminmax(flat))
-    max_abs = torch.maximum(-lowest, highest)
-    # The squares of finite float32 values above 1.8e19 (float64: 1.3e154) overflow; those
-    # of x / max |x| are at most 1, so their sum cannot.
-    scaled = wide / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    return wide, lowest, highest, max_abs, scaled
-
-
-def _scaled_mean(scaled: torch.Tensor, lowest: torch.Tensor, highest: torch.Tensor,
-                max_abs: torch.Tensor) -> torch.Tensor:
-    """The mean from `_scaled`'s results, without overflow: with an Inf present the scaled
-    mean is NaN, and the mean is +Inf, -Inf or NaN (both signs), which is lowest + highest."""
-    return torch.where(max_abs.isfinite(), scaled.mean() * max_abs, lowest + highest)
-
-
-def _scaled_norm(scaled_squares: torch.Tensor, max_abs: torch.Tensor) -> torch.Tensor:
-    """The L2 norm from sum(scaled^2) and max |x| (`_scaled`), on the device; `_norm` is
-    the same on the host. NaN when the tensor holds a NaN, Inf when it holds an Inf."""
-    return torch.where(max_abs.isfinite(), max_abs * scaled_squares.sqrt(), max_abs)
-
-
 def _stat_scalars(tensor: torch.Tensor, detailed: bool) -> list[torch.Tensor]:
     """The `STATS` of ``tensor`` as 0-d tensors on its device, in float32 (float64 for a
-    float64 tensor), the first as the sum of squares of x / max |x|: `_norm` turns it into
-    the norm on the host, which saves device ops per record."""
-    wide, lowest, highest, max_abs, scaled = _scaled(tensor)
-    squares = torch.dot(scaled, scaled)
+    float64 tensor), the first as the sum of squares: its square root is taken on the host
+    (`_norm`), which saves a device op per record. For float32/float64 tensors ``max_abs``
+    is that same sum (the norm bounds max |x| and is NaN or Inf alike), which saves the
+    min/max pass that only the 16-bit overflow rule needs."""
+    flat = tensor.detach().reshape(-1)
+    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    squares = torch.dot(wide, wide)
+    if flat.dtype in _LOW_PRECISION:
+        lowest, highest = torch.aminmax(flat)
+        max_abs = torch.maximum(-lowest, highest).float()
+    else:
+        max_abs = squares
     if not detailed:
         return [squares, max_abs]
     limits = _limits(tensor.dtype)
     magnitude = wide.abs()
     count = wide.numel()
     return [
-        squares, max_abs, lowest, highest, _scaled_mean(scaled, lowest, highest, max_abs),
+        squares, max_abs, wide.amin(), wide.amax(), wide.sum() / count,
         wide.isnan().sum().to(wide.dtype),
         wide.isinf().sum().to(wide.dtype),
         ((magnitude > limits.max / 2) & magnitude.isfinite()).sum().to(wide.dtype) / count,
@@ -135,10 +115,9 @@ def _stat_scalars(tensor: torch.Tensor, detailed: bool) -> list[torch.Tensor]:
     ]
 
 
-def _norm(scaled_squares: float, max_abs: float) -> float:
-    """The L2 norm from the first two `_stat_scalars` read back: max |x| is NaN or Inf
-    exactly when the tensor holds a NaN or an Inf, and is then the norm."""
-    return max_abs * math.sqrt(scaled_squares) if math.isfinite(max_abs) else max_abs
+def _norm(squares: float) -> float:
+    """The L2 norm from the sum of squares read back (NaN stays NaN)."""
+    return math.sqrt(squares) if squares >= 0 else squares
 
 
 def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
@@ -146,15 +125,18 @@ def tensor_stats(tensor: torch.Tensor, detailed: bool = False) -> torch.Tensor:
     its device (float32; float64 for a float64 tensor), without a synchronisation: the
     first two, or all nine with ``detailed``.
 
-    ``norm`` is the L2 norm, computed as max |x| * sqrt(sum((x / max |x|)^2)) so that it
-    overflows only when the norm itself is beyond the dtype's range: NaN when the tensor
-    holds a NaN, Inf when it holds an Inf (and no NaN). ``max_abs`` is max |x|. With
-    ``detailed``: min, max, mean, the NaN and Inf counts, the share of finite values above
-    half the largest finite value of the low-precision dtype (the tensor's own, float16
-    otherwise) and the share of nonzero values below its smallest normal.
+    ``norm`` is sqrt(x . x), one dot product in float32 (float64 for float64 tensors): NaN
+    when the tensor holds a NaN, Inf when it holds an Inf or a finite value whose square
+    overflows (|x| > 1.8e19 in float32, 1.3e154 in float64). ``max_abs`` is max |x| for
+    float16/bfloat16 tensors, whose overflow rule needs it; for wider dtypes it repeats the
+    norm, an upper bound, rather than pay a second pass. With ``detailed``: min, max,
+    mean, the NaN and Inf counts, the share of finite values above half the largest finite
+    value of the low-precision dtype (the tensor's own, float16 otherwise) and the share of
+    nonzero values below its smallest normal.
     """
     squares, max_abs, *rest = _stat_scalars(tensor, detailed)
-    return torch.stack([_scaled_norm(squares, max_abs), max_abs, *rest])
+    norm = squares.sqrt()
+    return torch.stack([norm, norm if max_abs is squares else max_abs, *rest])
 
 
 @dataclass(frozen=True)
@@ -355,8 +337,10 @@ class Monitor:
             flat = torch.stack([s.to(device) for s in stats]).cpu().tolist()
             width = len(STATS) if self.detailed else FAST_STATS
             rows = [flat[i * width:(i + 1) * width] for i in range(len(records))]
-            for row in rows:
-                row[0] = _norm(row[0], row[1])
+            for row, record in zip(rows, records):
+                row[0] = _norm(row[0])
+                if record.stats[1] is record.stats[0]:
+                    row[1] = row[0]
             norm_value = flat[-1] if grad_norm is not None else None
         self._anomalies(records, rows)
         if norm_value is not None:
