@@ -389,6 +389,28 @@ def test_spike_history_is_per_call_and_warmup_counts_steps():
     assert set(mon._seen.values()) == {8}
 
 
+def test_an_eval_pass_keeps_the_training_calls_history():
+    """A no-grad eval pass before the training forward of every other step: its calls are
+    counted apart, so the training records keep their keys (and spike histories) and the
+    eval records have their own."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with Monitor(model) as mon:
+        keys = []
+        for step in range(4):
+            if step % 2:
+                with torch.no_grad():
+                    model(100 * torch.randn(4, 8, generator=generator))
+            model(torch.randn(4, 8, generator=generator)).sum().backward()
+            keys.append({r.key for r in mon._records if r.graph})
+            evals = {r.key for r in mon._records if not r.graph}
+            mon.step()
+    assert keys[0] == keys[1] == keys[2] == keys[3]
+    assert evals and not evals & keys[0]
+    assert not [a for a in mon.alerts if a.kind == "spike"], mon.summary()
+
+
 def test_activation_checkpointing_adds_no_forward_records():
     from torch.utils.checkpoint import checkpoint
 

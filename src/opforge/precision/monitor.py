@@ -164,11 +164,14 @@ class _Record:
     index: int                  # the tensor's position among the call's inputs or outputs
     dtype: torch.dtype
     stats: list[torch.Tensor]
+    graph: bool = True          # recorded with gradients enabled (not an eval pass)
 
     @property
-    def key(self) -> tuple[str, int, str, str, int]:
-        """What the spike history is kept by: one tensor of one call, step after step."""
-        return (self.module, self.call, self.phase, self.io, self.index)
+    def key(self) -> tuple[str, bool, int, str, str, int]:
+        """What the spike history is kept by: one tensor of one call, step after step.
+        Calls with and without gradients are counted apart, so an eval pass in a step
+        does not shift the training calls' numbers."""
+        return (self.module, self.graph, self.call, self.phase, self.io, self.index)
 
 
 class Monitor:
@@ -216,7 +219,7 @@ class Monitor:
         # tensor is enough; the second record shares the first one's statistics.
         self._recorded: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         self._handles: list[Any] = []
-        self._calls: dict[str, int] = {}
+        self._calls: dict[tuple[str, bool], int] = {}
         self._means: dict[tuple[str, int, str, str, int], float] = {}
         self._seen: dict[tuple[str, int, str, str, int], int] = {}
         self._grad_norm_mean: float | None = None
@@ -253,7 +256,7 @@ class Monitor:
             logger.exception("opforge monitor: recording failed; monitoring stops")
 
     def _record(self, module: str, call: int, phase: str, io: str, index: int,
-                tensor: torch.Tensor) -> None:
+                tensor: torch.Tensor, graph: bool = True) -> None:
         if not tensor.is_floating_point() or not tensor.numel():
             return
         # Inference tensors (made under torch.inference_mode) have no version counter, so
@@ -267,13 +270,15 @@ class Monitor:
             stats = _stat_scalars(tensor, self.detailed)
             if version is not None:
                 self._recorded[id(tensor)] = (weakref.ref(tensor), version, stats)
-        self._records.append(_Record(module, call, phase, io, index, tensor.dtype, stats))
+        self._records.append(_Record(module, call, phase, io, index, tensor.dtype, stats,
+                                     graph))
 
     def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             def body() -> None:
-                call = self._calls.get(name, 0)
-                self._calls[name] = call + 1
+                graph = torch.is_grad_enabled()
+                call = self._calls.get((name, graph), 0)
+                self._calls[name, graph] = call + 1
                 # A forward hook that fires during a backward pass is an activation
                 # checkpoint's recomputation: its values were recorded by the forward it
                 # repeats. Its gradient hooks are still needed: a reentrant checkpoint
@@ -282,7 +287,7 @@ class Monitor:
                 for io, values in (("input", inputs), ("output", output)):
                     for index, tensor in enumerate(_tensors(values)):
                         if not recomputed:
-                            self._record(name, call, "forward", io, index, tensor)
+                            self._record(name, call, "forward", io, index, tensor, graph)
                         self._watch_grad(name, call, io, index, tensor)
             self._guarded(body)
         return hook
