@@ -227,23 +227,26 @@ class Plan:
         # the operator says its launchers honour strides; else a strided `out` is filled
         # through a copy.
         strided = self.op.strided_out
-        spans = [(t, _span(t)) for t in inputs if t is not None and t.numel()]
+        spans = [_span(t) for t in inputs if t is not None and t.numel()]
         targets = [t if (t.is_contiguous() or (strided and _distinct_elements(t)))
-                   and not self._overlaps_an_input(t, spans) else allocate(s)
-                   for t, s in zip(given, self.outputs)]
+                   and not (spans and self._overlaps_an_input(t, spans, inputs))
+                   else allocate(s) for t, s in zip(given, self.outputs)]
         return targets, given
 
-    def _overlaps_an_input(self, out: torch.Tensor,
-                           spans: Sequence[tuple[torch.Tensor, tuple[int, int]]]) -> bool:
-        """Whether ``out``'s memory range meets an input's, other than as the very same
-        elements of an in-place operator's input."""
+    def _overlaps_an_input(self, out: torch.Tensor, spans: Sequence[tuple[int, int]],
+                           inputs: Sequence[torch.Tensor | None]) -> bool:
+        """Whether ``out``'s memory range meets one of the input ``spans``, other than as
+        the very same elements of an in-place operator's input (checked on the rare
+        overlap only: this runs on every ``run(out=)``)."""
         if not out.numel():
             return False
         start, end = _span(out)
-        return any(start < input_end and input_start < end and not (
+        if not any(start < input_end and input_start < end for input_start, input_end in spans):
+            return False
+        return any(t.numel() and start < input_end and input_start < end and not (
             self.op.inplace_out and t.data_ptr() == out.data_ptr() and t.dtype == out.dtype
             and t.shape == out.shape and t.stride() == out.stride())
-            for t, (input_start, input_end) in spans)
+            for t in inputs if t is not None for input_start, input_end in (_span(t),))
 
     def run(self, *tensors: torch.Tensor | None,
             out: torch.Tensor | Sequence[torch.Tensor] | None = None,
@@ -359,7 +362,7 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The byte addresses ``[start, end)`` a non-empty tensor's elements lie within."""
     start = end = tensor.data_ptr()
     if tensor.is_contiguous():
-        return start, end + tensor.numel() * tensor.element_size()
+        return start, end + tensor.nbytes
     for size, stride in zip(tensor.shape, tensor.stride()):
         reach = (size - 1) * stride * tensor.element_size()
         start, end = (start + reach, end) if reach < 0 else (start, end + reach)
