@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import opforge
+from opforge.compat import torch_npu
 from opforge.core.errors import INFERSHAPE_ERROR, PARAM_INVALID, PARAM_NULLPTR, TILING_ERROR
 from opforge.core.hardware import HardwareProfile
 
@@ -67,6 +68,22 @@ def test_too_many_dims():
 ])
 def test_bad_attributes(call, fragments):
     _raises(opforge.AttrError, lambda: call(torch.ones(2, 3)), *fragments, code=PARAM_INVALID)
+
+
+@pytest.mark.parametrize("call, error_type, fragments", [
+    (lambda x: opforge.moe_gating_top_k(x, k=2.5), opforge.AttrError,
+     ("moe_gating_top_k.k", "wrong type", "float 2.5")),
+    (lambda x: opforge.softmax(x, dim="1"), opforge.AttrError, ("softmax.dim", "int", "str")),
+    (lambda x: opforge.reduce_sum(x, [0.5]), opforge.AttrError, ("reduce_sum.dims", "[0.5]")),
+    (lambda x: opforge.gelu(x, None), opforge.AttrError, ("gelu.approximate", "None")),
+    (lambda x: opforge.sigmoid(x.tolist()), opforge.DtypeError, ("sigmoid.x", "not a tensor")),
+    (lambda x: torch_npu.npu_rms_norm(x, x[0], epsilon="small"),
+     opforge.AttrError, ("rms_norm.eps", "str")),
+])
+def test_badly_typed_arguments_through_the_functional_api(call, error_type, fragments):
+    # The dispatcher's schema check rejects these before opforge runs; the functional API
+    # must still give the typed error that plan gives.
+    _raises(error_type, lambda: call(torch.ones(2, 8)), *fragments, code=PARAM_INVALID)
 
 
 def test_tensors_on_different_devices():

@@ -23,6 +23,7 @@ import opforge.ops.rms_norm
 import opforge.ops.rope
 import opforge.ops.sigmoid
 import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
+from opforge.library import call
 
 
 def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -42,7 +43,7 @@ def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch
         DtypeError: an unsupported dtype. DeviceError: inputs on different devices.
         AttrError: ``alpha`` is not a finite number.
     """
-    return torch.ops.opforge.broadcast_add(a, b, alpha)
+    return call("broadcast_add", a, b, alpha)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     Raises:
         DtypeError: ``x`` is not float32/float16/bfloat16/float64.
     """
-    return torch.ops.opforge.sigmoid(x)
+    return call("sigmoid", x)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -62,7 +63,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     Raises:
         DtypeError: unsupported dtype. AttrError: ``approximate`` not ``"none"``/``"tanh"``.
     """
-    return torch.ops.opforge.gelu(x, approximate)
+    return call("gelu", x, approximate)
 
 
 def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
@@ -76,8 +77,7 @@ def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
     """
     if isinstance(dims, int):
         dims = [dims]
-    return torch.ops.opforge.reduce_sum(x, None if dims is None else list(dims), keepdim,
-                                        scale)
+    return call("reduce_sum", x, None if dims is None else list(dims), keepdim, scale)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -90,7 +90,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         DtypeError: ``x`` is not float32/float16/bfloat16/float64.
         AttrError: ``dim`` is out of range for ``x``.
     """
-    return torch.ops.opforge.softmax(x, dim)
+    return call("softmax", x, dim)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -101,7 +101,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         DtypeError: ``x`` is not float32/float16/bfloat16/float64.
         AttrError: ``dim`` is out of range for ``x``.
     """
-    return torch.ops.opforge.log_softmax(x, dim)
+    return call("log_softmax", x, dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -119,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
         ShapeError: ``weight`` is not 1-D of x's last dim. DtypeError: unsupported dtype.
         AttrError: ``eps`` negative or not finite.
     """
-    return torch.ops.opforge.rms_norm(x, weight, eps)[0]
+    return call("rms_norm", x, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
@@ -131,7 +131,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         ShapeError: ``residual`` differs from ``x`` in shape, or a bad ``weight``.
         DtypeError: unsupported dtype. AttrError: bad ``eps``.
     """
-    y, _, total = torch.ops.opforge.add_rms_norm(x, residual, weight, eps)
+    y, _, total = call("add_rms_norm", x, residual, weight, eps)
     return y, total
 
 
@@ -149,7 +149,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     """
     if isinstance(normalized_shape, int):
         normalized_shape = [normalized_shape]
-    return torch.ops.opforge.layer_norm(x, weight, bias, list(normalized_shape), eps)[0]
+    return call("layer_norm", x, weight, bias, list(normalized_shape), eps)[0]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> torch.Tensor:
@@ -161,7 +161,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> tor
         ShapeError: a 0-d operand, mismatched inner dims, or batch dims that do not
             broadcast. DtypeError: operands of different or unsupported dtypes.
     """
-    return torch.ops.opforge.matmul(a, b, allow_tf32)
+    return call("matmul", a, b, allow_tf32)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "half"
@@ -178,7 +178,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
         ShapeError: an odd last dim, or tables that do not match x. AttrError: bad mode.
         DtypeError: unsupported dtype.
     """
-    return torch.ops.opforge.rope(x, cos, sin, mode)
+    return call("rope", x, cos, sin, mode)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -206,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         ShapeError: not 4-D, mismatched batch/lengths/head dims, heads not grouped, a head
             dim above 256. DtypeError: q, k, v of different or unsupported dtypes.
     """
-    out, lse = torch.ops.opforge.attention(q, k, v, causal, scale)
+    out, lse = call("attention", q, k, v, causal, scale)
     return (out, lse) if return_lse else out
 
 
@@ -225,8 +225,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
             ``lse``/``grad_lse`` are not float32.
     """
-    return torch.ops.opforge.attention_backward(dout, q, k, v, out, lse, grad_lse, causal,
-                                                scale)
+    return call("attention_backward", dout, q, k, v, out, lse, grad_lse, causal, scale)
 
 
 def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
@@ -260,10 +259,10 @@ def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: tor
         IndexRangeError: a slot at or beyond ``BlockNum * BlockSize``. OpError: a cache
         that is not contiguous. AttrError: a bad epsilon or cache mode.
     """
-    query, query_rope = torch.ops.opforge.mla_prolog(
-        token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-        rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index, kv_cache, kr_cache,
-        rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, cache_mode)
+    query, query_rope = call(
+        "mla_prolog", token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
+        rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index, kv_cache,
+        kr_cache, rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, cache_mode)
     return query, query_rope, kv_cache, kr_cache
 
 
@@ -293,9 +292,8 @@ def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = Non
         ``1 <= k_group <= group_count``, ``k <= k_group * E / group_count``, 2+ experts a
         group in mode 1).
     """
-    return torch.ops.opforge.moe_gating_top_k(x, bias, k, k_group, group_count,
-                                              group_select_mode, renorm, norm_type,
-                                              out_flag, routed_scaling_factor, eps)
+    return call("moe_gating_top_k", x, bias, k, k_group, group_count, group_select_mode,
+                renorm, norm_type, out_flag, routed_scaling_factor, eps)
 
 
 def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
@@ -314,7 +312,7 @@ def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = No
     Raises:
         ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
     """
-    return torch.ops.opforge.moe_gating_top_k_softmax(x, finished, k)
+    return call("moe_gating_top_k_softmax", x, finished, k)
 
 
 def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
@@ -339,6 +337,5 @@ def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights:
         ShapeError: grad's leading dims differ from indices'. DtypeError: unsupported
         dtypes. IndexRangeError: an index outside ``[0, num_weights)``.
     """
-    return torch.ops.opforge.embedding_dense_grad(grad, indices, num_weights, padding_idx,
-                                                  scale_grad_by_freq, deterministic,
-                                                  check_range)
+    return call("embedding_dense_grad", grad, indices, num_weights, padding_idx,
+                scale_grad_by_freq, deterministic, check_range)

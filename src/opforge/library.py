@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from opforge.core import registry
-from opforge.core.errors import UnsupportedError
+from opforge.core.errors import OpError, UnsupportedError
 from opforge.core.opdef import Attr, AutocastPolicy, OpDef
 from opforge.core.plan import plan, validate
 
@@ -189,3 +189,25 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     if namespace == "opforge":
         registry.add(opdef)
     return op
+
+
+def call(name: str, *args: Any) -> Any:
+    """``torch.ops.opforge.<name>(*args)``: tensors, then attributes in schema order.
+
+    The dispatcher rejects an argument of the wrong type (``k=2.5`` for an int, a list for
+    a tensor) with a generic ``RuntimeError`` before opforge sees the call; such a call is
+    checked again against the prototype so that it raises the typed error `plan` gives.
+
+    Raises:
+        OpError and its subclasses for any invalid argument (see `opforge.core.errors`).
+    """
+    try:
+        return getattr(torch.ops.opforge, name)(*args)
+    except RuntimeError:
+        opdef = registry.get_op(name)
+        try:
+            validate(opdef, *_split(opdef, args))
+        except OpError as typed:
+            raise typed from None
+        raise
+

@@ -15,6 +15,7 @@ import opforge.ops.moe_gating
 import opforge.ops.rms_norm  # noqa: F401 - registers the operators
 from opforge.core.errors import UnsupportedError
 from opforge.functional import mla_prolog, moe_gating_top_k, moe_gating_top_k_softmax
+from opforge.library import call
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
@@ -24,7 +25,7 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     Raises:
         ShapeError: ``gamma`` is not 1-D of x's last dim. DtypeError, AttrError.
     """
-    y, rstd = torch.ops.opforge.rms_norm(x, gamma, epsilon)
+    y, rstd = call("rms_norm", x, gamma, epsilon)
     return y, rstd.unsqueeze(-1)
 
 
@@ -36,7 +37,7 @@ def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
     Raises:
         ShapeError: ``x2`` differs from ``x1`` in shape, or a bad ``gamma``.
     """
-    y, rstd, total = torch.ops.opforge.add_rms_norm(x1, x2, gamma, epsilon)
+    y, rstd, total = call("add_rms_norm", x1, x2, gamma, epsilon)
     return y, rstd.unsqueeze(-1), total
 
 
