@@ -447,6 +447,20 @@ def test_a_nan_value_reaches_exactly_its_output_column(backend):
     assert torch.isnan(out[..., 3]).all() and not torch.isnan(out[..., [0, 1, 2, 4]]).any()
 
 
+def test_an_infinite_score_makes_its_row_nan_on_both_backends(backend):
+    """A +inf score has no softmax (inf / inf): out and lse of that row are NaN, as a NaN
+    input makes them, and the other rows are untouched; with zero and signed key entries
+    the +inf query element gives scores of +inf, -inf and NaN."""
+    q, k, v = _qkv(1, 1, 1, 3, 5, 16)
+    q[0, 0, 1, 0] = math.inf
+    k[0, 0, 2, 0] = 0.0
+    k[0, 0, 3, 0] = abs(k[0, 0, 3, 0]) + 1
+    for keys in (k, torch.cat([k[:, :, 3:4], -k[:, :, 3:4].abs()], 2)):
+        out, lse = opforge.attention(q, keys, v[:, :, :keys.shape[2]], return_lse=True)
+        assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(lse[0, 0, 1])
+        assert torch.isfinite(out[0, 0, [0, 2]]).all() and torch.isfinite(lse[0, 0, [0, 2]]).all()
+
+
 def test_a_nan_key_spreads_over_exactly_the_rows_that_see_it(backend):
     """A NaN in a key makes the scores, out, lse and every gradient of the rows that see
     that key NaN (as SDPA's out), on both backends; rows that see no key keep out 0 and lse

@@ -196,7 +196,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             top-left, the same only when ``Sq == Sk``). A query that sees no key gets 0.
         scale: score scale, ``1 / sqrt(D)`` when None.
         return_lse: also return the float32 natural-log log-sum-exp of each query's scaled
-            scores, ``(B, H, Sq)`` (``-inf`` for a query that sees no key).
+            scores, ``(B, H, Sq)`` (``-inf`` for a query that sees no key). A NaN or +inf
+            score (a NaN input, an overflowed ``q.k``) makes its row's out and lse NaN.
 
     Returns:
         ``out`` ``(B, H, Sq, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k,

@@ -696,9 +696,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse = values.new_empty(q.shape[:3])
     for rows in _query_chunks(q, k.shape[2]):
         scores = _scores(q, k, causal, scale, compute_dtype, rows)
-        lse[:, :, rows] = torch.logsumexp(scores, -1)
+        lse[:, :, rows] = _undefined_as_nan(torch.logsumexp(scores, -1))
         out[:, :, rows] = torch.matmul(_probabilities(scores, lse[:, :, rows, None]), values)
     return out, lse
+
+
+def _undefined_as_nan(lse: torch.Tensor) -> torch.Tensor:
+    """A row with a +inf score (an overflowed q.k, or an infinite input) has no softmax:
+    its out is NaN (inf / inf) and so is its lse here, as in the kernels, where the online
+    maximum turns ``s - m`` into inf - inf. logsumexp alone would say +inf."""
+    return torch.where(lse == math.inf, math.nan, lse)
 
 
 def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
