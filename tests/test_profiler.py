@@ -457,12 +457,25 @@ def test_analyse_refuses_foreign_csv_columns(cpu_profile, tmp_path):
         analyse(tmp_path)
 
 
-def test_a_failing_block_writes_no_report_and_unhooks(tmp_path):
-    with pytest.raises(RuntimeError, match="boom"), opforge.profile(tmp_path / "p"):
+def test_a_failing_block_reports_what_ran_before_and_unhooks(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"), opforge.profile(tmp_path / "p") as prof:
         opforge.softmax(torch.randn(4, 4))
         raise RuntimeError("boom")
-    assert not (tmp_path / "p" / "report.html").exists()
+    assert (tmp_path / "p" / "report.html").exists()
+    assert any("softmax" in row.name for row in prof.result.operators)
+    assert any("raised RuntimeError: boom" in note for note in prof.result.meta.notes)
     assert plan_module.set_run_observer(None) is None
+
+
+def test_a_failing_block_whose_traces_cannot_be_read_keeps_its_error(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("unreadable trace")
+    monkeypatch.setattr(timeline, "load_traces", broken)
+    with pytest.raises(RuntimeError, match="boom"), pytest.warns(RuntimeWarning,
+                                                                   match="unreadable"), \
+            opforge.profile(tmp_path / "p") as prof:
+        raise RuntimeError("boom")
+    assert prof.result is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +510,15 @@ def test_profile_command_passes_the_exit_status(tmp_path, capsys):
     script.write_text("import sys\nsys.exit('fatal: bad config')\n")
     assert cli.main(["profile", "--out", str(tmp_path / "p"), "--", str(script)]) == 1
     assert "fatal: bad config" in capsys.readouterr().err
+    # A script that raises: its traceback, status 1, and the profile of what ran before.
+    script.write_text("import torch, opforge\nopforge.softmax(torch.randn(4, 4))\n"
+                      "raise KeyError('missing weight')\n")
+    assert cli.main(["profile", "--out", str(tmp_path / "r"), "--", str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "KeyError: 'missing weight'" in captured.err and "Traceback" in captured.err
+    assert "raised KeyError" in captured.out and "profile written" in captured.out
+    meta = json.loads((tmp_path / "r" / "profile_meta.json").read_text())
+    assert any("raised KeyError" in note for note in meta["notes"])
 
 
 def test_bench_measures_opforge_against_torch(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -360,7 +361,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
     status = 0
     try:
-        with session as prof:
+        with session:
             try:
                 if kind == "path":
                     runpy.run_path(target, run_name="__main__")
@@ -368,12 +369,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
                     runpy.run_module(target, run_name="__main__", alter_sys=True)
             except SystemExit as exit_:
                 status = _exit_status(exit_.code)
+    except Exception:  # the script's error: shown as Python shows it
+        traceback.print_exc()
+        status = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-    if prof.result is None:
-        console.print("no profile written: another profiler was already recording")
+    if session.result is None:
+        console.print("no profile written: another profiler was already recording, or the "
+                      "failed script's traces could not be read (see the warning)")
         return status or 1
-    prof.result.print_summary(console)
+    session.result.print_summary(console)
     console.print(f"profile written to {Path(args.out).resolve()}: open report.html, and "
                   "trace_view.json in https://ui.perfetto.dev")
     return status

@@ -117,9 +117,10 @@ class Profile:
     Attributes:
         out_dir: where the report files go.
         result: the parsed `report.Report` once the block has ended (``None`` before,
-            after a failing block, and for a nested session: inside another profiler,
-            which torch cannot nest, the session warns and records nothing itself; the
-            outer one records the block).
+            and for a nested session: inside another profiler, which torch cannot nest,
+            the session warns and records nothing itself; the outer one records the
+            block). A block that raises an ``Exception`` gets the report of what ran
+            before it, marked so in its notes, and the exception propagates.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str] = "opforge_profile", *,
@@ -256,9 +257,21 @@ class Profile:
             self._handles = []
         if kind is None:
             self.result = self.build()
+        elif issubclass(kind, Exception):
+            # What ran before the failure (an out-of-memory in step 5, say) is what the
+            # user needs to see; the block's exception still propagates, and a report that
+            # cannot be built from the cut-off traces must not replace it.
+            try:
+                self.result = self.build(failure=f"{kind.__name__}: {error}")
+            except Exception as build_error:  # the block's error wins
+                warnings.warn(f"opforge.profile({str(self.out_dir)!r}): no report for the "
+                              f"failed block ({type(build_error).__name__}: {build_error})",
+                              RuntimeWarning, stacklevel=2)
 
-    def build(self) -> report.Report:
-        """Parse the saved traces and write the report files into `out_dir`."""
+    def build(self, failure: str | None = None) -> report.Report:
+        """Parse the saved traces and write the report files into `out_dir`; ``failure``
+        (the block's exception, in words) marks the report as covering the block up to
+        it."""
         parsed = timeline.parse(timeline.load_traces(self._traces), self._records)
         device = (torch.device(self._device, 0) if parsed.device_kernels
                   else torch.device("cpu"))
@@ -268,6 +281,9 @@ class Profile:
             torch=torch.__version__,
             created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             steps=len(timeline.step_rows(parsed)), source=self._source)
+        if failure is not None:
+            meta.notes.append(f"the profiled block raised {failure}: this report covers "
+                              "what ran before it")
         if parsed.compile_us:
             meta.notes.append(
                 f"torch.compile compiled for {parsed.compile_us / 1e3:.1f} ms inside the "
