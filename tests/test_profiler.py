@@ -663,13 +663,14 @@ F = torch.nn.functional
 
 def _torch_calls():
     """(kernel name, call, the tensors it reads, or None for a view that moves nothing)."""
-    x, w = torch.randn(2, 3, 16, 16), torch.randn(6, 3, 3, 3)
+    x, w, w4 = torch.randn(2, 3, 16, 16), torch.randn(6, 3, 3, 3), torch.randn(6, 3, 4, 4)
     logits, target = torch.randn(8, 3), torch.randint(0, 3, (8,))
     a, b = torch.randn(24, 40), torch.randn(4, 5, 7)
     at, xb, two = a.t(), torch.randn(8, 8, dtype=torch.bfloat16), torch.tensor(2.0)
     return [
         ("aten::conv2d", lambda: F.conv2d(x, w, padding="same"), (x, w)),
         ("aten::conv2d", lambda: F.conv2d(x, w, padding="valid"), (x, w)),
+        ("aten::conv2d", lambda: F.conv2d(x, w4, padding="same"), (x, w4)),
         ("aten::cross_entropy_loss", lambda: F.cross_entropy(logits, target), (logits, target)),
         ("aten::cross_entropy_loss", lambda: F.cross_entropy(logits, target, reduction="none"),
          (logits, target)),
@@ -677,6 +678,11 @@ def _torch_calls():
         ("aten::randint", lambda: torch.randint(0, 3, (8,)), ()),
         ("aten::randint", lambda: torch.randint(5, (4, 2), dtype=torch.int32), ()),
         ("aten::zeros", lambda: torch.zeros(3, 5, dtype=torch.bfloat16), ()),
+        # full's dtype follows its fill value when none is given.
+        ("aten::full", lambda: torch.full((3, 5), 7), ()),
+        ("aten::full", lambda: torch.full((3, 5), True), ()),
+        ("aten::full", lambda: torch.full((3, 5), 2.5), ()),
+        ("aten::full", lambda: torch.full((3, 5), 2, dtype=torch.float16), ()),
         # Copies: the source read, the result written.
         ("aten::to", lambda: a.to(torch.bfloat16), (a,)),
         ("aten::contiguous", lambda: at.contiguous(), (at,)),
@@ -712,26 +718,25 @@ def test_torch_operator_costs_match_the_tensors_they_made(torch_ops_profile):
     `to`/`contiguous`/`reshape` costs its copy; a view nothing), its output shape the real
     one: string paddings, losses, a 0-dim operand, randint's size and dtype."""
     calls, outputs, result = torch_ops_profile
+    # "same" for a 4-wide kernel: 1 on each side by the convolution, 1 more after by a pad.
+    x_padded = F.pad(torch.randn(2, 3, 16, 16), (0, 1, 0, 1))
     assert [k.name for k in result.kernels] == [name for name, _, _ in calls]
     for kernel, (name, _, reads), out in zip(result.kernels, calls, outputs):
         if reads is None:
             assert (kernel.flops, kernel.bytes_moved) == (0, 0), name
             continue
-        assert kernel.bytes_moved == sum(t.nbytes for t in reads) + out.nbytes, name
-        written = [math.prod(int(d) for d in shape.split(",") if d)
-                   for shape in kernel.output_shapes.split(";")]
-        if name in ("aten::reshape", "aten::flatten"):
-            # The shape its copy wrote (before the view that reshapes it): same elements.
-            assert written == [out.numel()], name
-        else:
-            assert kernel.output_shapes == ",".join(str(d) for d in out.shape), name
+        # An even kernel's "same" padding is a padded copy of x (written, then read).
+        padded = (2 * x_padded.nbytes if name == "aten::conv2d" and reads[1].shape[-1] == 4
+                  else 0)
+        assert kernel.bytes_moved == sum(t.nbytes for t in reads) + out.nbytes + padded, name
+        assert kernel.output_shapes == ",".join(str(d) for d in out.shape), name
         verdict = kernel.verdict(result.hardware)
         assert verdict.bound != roofline.UNKNOWN and verdict.gbs > 0, name
         assert "moves no data" not in roofline.advice(verdict, result.hardware,
                                                       kernel.duration_us, None), name
         if name == "aten::conv2d":
             # 2 x output elements x input channels x kernel elements
-            assert kernel.flops == 2 * out.numel() * 3 * 9
+            assert kernel.flops == 2 * out.numel() * 3 * reads[1][0, 0].numel()
 
 
 def test_a_copy_below_an_unshaped_call_is_unknown():

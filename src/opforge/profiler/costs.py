@@ -14,12 +14,14 @@ states how its output follows from its inputs:
 - reductions: they read their input once; the (smaller) output is not counted;
 - losses (``cross_entropy_loss``, ``nll_loss``): a scalar output, or one per target element
   with ``reduction="none"``;
-- views and allocations move no data: zero cost;
+- views and allocations move no data: zero cost (a ``view``'s output is the size it asks
+  for); ``constant_pad_nd`` reads its input and writes the padded tensor;
 - operators that may or may not copy (``to``, ``contiguous``, ``reshape``, ``flatten``,
   ``type_as``, ``clone``, ``_to_copy``) and convolutions whose padding is a string
   (``"same"``, ``"valid"``: the profiler does not record it) are `composite`: their cost is
   that of the operators they call (an ``aten::copy_``, a ``convolution`` with the padding
-  resolved), which only the call tree knows (`opforge.profiler.timeline`).
+  resolved), which only the call tree knows (`opforge.profiler.timeline`); their output is
+  their last callee's.
 
 Bytes are the input bytes plus the output bytes: a kernel reads every input and writes
 every output once (the memory roof's assumption). The output's dtype follows torch's
@@ -54,6 +56,8 @@ _SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32,
                  9: torch.complex64, 10: torch.complex128, 11: torch.bool,
                  15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
 
+# Views whose second argument is the size of the result (``-1`` for the inferred dim).
+_RESHAPING_VIEWS = {"view", "_unsafe_view", "_reshape_alias"}
 _VIEWS = {
     "view", "_reshape_alias", "_unsafe_view", "transpose", "t", "permute", "expand",
     "as_strided", "slice", "select", "unsqueeze", "squeeze", "detach", "detach_", "alias",
@@ -143,6 +147,17 @@ def _scalars(concrete: Sequence[str], index: int, rank: int, default: int) -> li
     return values * rank if len(values) == 1 else values
 
 
+def _fill_type(text: str) -> torch.dtype:
+    """The dtype ``torch.full`` infers from a recorded fill value."""
+    if text in ("True", "False"):
+        return torch.bool
+    try:
+        int(text)
+    except ValueError:
+        return torch.complex64 if "j" in text else torch.float32
+    return torch.int64
+
+
 def _scalar_type(text: str) -> torch.dtype | None:
     try:
         return _SCALAR_TYPES.get(int(text))
@@ -219,6 +234,14 @@ def aten_cost(name: str, dims: Sequence[Sequence[int]], types: Sequence[str],
         return None
     tensors = [(list(d), _DTYPES[t]) for d, t in zip(dims, types) if t in _DTYPES]
     read = float(sum(_numel(d) * dtype.itemsize for d, dtype in tensors))
+    if short in _RESHAPING_VIEWS and len(concrete) > 1 and len(dims) and dims[0]:
+        # A view moves nothing; its shape is the size asked for, -1 resolved.
+        size = _scalars(concrete, 1, 1, 0)
+        known = (_numel(d for d in size if d != -1)
+                 if all(isinstance(d, int) for d in size) else 0)
+        if known:
+            shape = tuple(_numel(dims[0]) // known if d == -1 else d for d in size)
+            return OpCost(0.0, 0.0, (shape,))
     if short in _VIEWS:
         return OpCost(0.0, 0.0)
     if short in _FACTORIES:
@@ -230,7 +253,10 @@ def aten_cost(name: str, dims: Sequence[Sequence[int]], types: Sequence[str],
             return None
         place = lists[0] + _FACTORIES[short]
         dtype = _scalar_type(concrete[place]) if place < len(concrete) else None
-        # Without a dtype argument: torch's default float32 (randint: int64).
+        # Without a dtype argument: torch's default float32 (randint: int64), and full's
+        # follows its fill value (7: int64, True: bool).
+        if dtype is None and short == "full" and lists[0] + 1 < len(concrete):
+            dtype = _fill_type(concrete[lists[0] + 1])
         dtype = dtype or (torch.int64 if short == "randint" else torch.float32)
         return OpCost(0.0, float(dtype.itemsize * _numel(size)), (tuple(size),))
     if not tensors:
@@ -256,6 +282,13 @@ def aten_cost(name: str, dims: Sequence[Sequence[int]], types: Sequence[str],
         return OpCost(flops, read + _numel(out) * itemsize, (out,))
     if short in _REDUCTIONS:
         return OpCost(float(_numel(shapes[0])), read)
+    if short == "constant_pad_nd":
+        # pad lists (before, after) pairs from the last dim backwards; negative ones crop.
+        pads = _scalars(concrete, 1, 1, 0) if len(concrete) > 1 else []
+        out = list(shapes[0])
+        for index, (before, after) in enumerate(zip(pads[::2], pads[1::2])):
+            out[-1 - index] += before + after
+        return OpCost(0.0, read + _numel(out) * itemsize, (tuple(out),))
     if short in _LOSSES and len(shapes) >= 2:
         per_element, counted = _LOSSES[short]
         unreduced = _scalars(concrete, 3, 1, 1)[0] == 0

@@ -336,7 +336,8 @@ def _recorded_tensors(event: Event) -> tuple[list[list[int]], list[str]]:
 def _cost(event: Event) -> tuple[float, float, str] | None:
     """(FLOPs, bytes, output shapes) of an operator call, when known. A `composite` torch
     operator costs what the operators it called cost (nothing when it called none: it was
-    a view), unknown when one of them has no known cost."""
+    a view), unknown when one of them has no known cost; its output is its last callee's
+    (a padded convolution's, not its padding's; a copying reshape's view of the copy)."""
     if event.record is not None:
         return (float(event.record["flops"]), float(event.record["bytes"]),
                 _shape_text(o["shape"] for o in event.record["outputs"]))
@@ -346,8 +347,9 @@ def _cost(event: Event) -> tuple[float, float, str] | None:
         known = [part for part in parts if part is not None]
         if len(known) < len(parts):
             return None
+        shapes = [p[2] for p in known if p[2]]
         return (sum((p[0] for p in known), 0.0), sum((p[1] for p in known), 0.0),
-                ";".join(p[2] for p in known if p[2]))
+                shapes[-1] if shapes else "")
     cost = aten_cost(event.name, event.args.get("Input Dims") or [], types,
                      event.args.get("Concrete Inputs") or [])
     if cost is None:
