@@ -3,6 +3,8 @@ dynamic shapes), torch.export and autocast."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -229,6 +231,52 @@ def test_autocast_policies(autocast_dtype):
         assert LOWER_TOY.torch_op(full, 2.0).dtype == autocast_dtype
     assert FP32_TOY.torch_op(low, 2.0).dtype == autocast_dtype  # outside autocast: as given
     assert "scale_fp32" not in {op.name for op in opforge.list_ops()}
+    # torch's autocast never casts float64: neither does the lower-precision policy.
+    wide = torch.randn(5, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        assert LOWER_TOY.torch_op(wide, 2.0).dtype == torch.float64
+        assert opforge.matmul(wide[:, None], wide[None]).dtype == torch.float64
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_under_autocast_gives_the_dtype_torch_linear_gives(bias):
+    from opforge import nn
+
+    ours = nn.Linear(8, 4, bias=bias)
+    theirs = torch.nn.Linear(8, 4, bias=bias)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, expected = ours(x), theirs(x)
+    assert y.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_use_backend_inside_a_compiled_function_applies_or_says_why():
+    """The backend is read when an operator runs: a use_backend block inside a compiled
+    function would only be seen while tracing. It makes torch.compile run that function
+    eagerly, where the block applies (fullgraph=True names the problem instead)."""
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(opforge.core.backends.requested_backend())
+        return reference(*args, **kwargs)
+
+    opdef = opforge.get_op("gelu")
+    reference = opdef.reference_fn
+
+    def f(x):
+        with opforge.use_backend("torch"):
+            return opforge.gelu(x) + 1
+
+    x = torch.randn(3, 4)
+    with mock.patch.object(opdef, "reference_fn", record):
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager")(x),
+                                   torch.nn.functional.gelu(x) + 1)
+        assert seen == ["torch"]
+        torch._dynamo.reset()  # dynamo remembers that f runs eagerly
+        with pytest.raises(Exception, match="use_backend inside a torch"):
+            torch.compile(f, backend="aot_eager", fullgraph=True)(x)
 
 
 def test_nn_modules_drop_in_for_torch():

@@ -71,8 +71,10 @@ def _lower_autocast(namespace: str, opdef: OpDef, device_type: str) -> None:
 
     def kernel(_keyset: Any, *args: Any) -> Any:
         dtype = torch.get_autocast_dtype(device_type)
+        # torch's eligibility rule: floating tensors of this device, float64 excepted.
         cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                and a.device.type == device_type else a for a in args]
+                and a.dtype != torch.float64 and a.device.type == device_type else a
+                for a in args]
         with torch._C._ExcludeDispatchKeyGuard(keyset):
             return opdef.torch_op(*cast)
 

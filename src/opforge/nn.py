@@ -155,7 +155,9 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = functional.matmul(x, self.weight.mT)
-        return y if self.bias is None else functional.broadcast_add(y, self.bias)
+        # Under autocast the product is in the lower dtype; the bias joins it there (as
+        # torch.nn.Linear's addmm does) instead of promoting the sum back to float32.
+        return y if self.bias is None else functional.broadcast_add(y, self.bias.to(y.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -74,9 +74,18 @@ def requested_backend() -> str:
 def use_backend(name: str) -> Iterator[str]:
     """Run the block with backend ``name`` (``auto``, ``torch``, ``triton``) in this thread.
 
+    The backend is read when an operator runs, so a compiled function's operators run on
+    the backend in force around the compiled call. Inside a compiled function the block
+    would only be seen while tracing: it raises there, so that torch.compile runs that
+    function eagerly, where the block applies (``fullgraph=True`` reports the error).
+
     Raises:
         ValueError: unknown backend name.
+        RuntimeError: entered inside a function being compiled by torch.compile.
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("opforge.use_backend inside a torch.compile'd function would only "
+                           "apply while tracing: enter it around the compiled call")
     stack = getattr(_state, "stack", None)
     if stack is None:
         stack = _state.stack = []
