@@ -304,3 +304,42 @@ def test_dynamic_shapes_compile_once():
         a, b = torch.randn(rows, cols), torch.randn(cols)
         torch.testing.assert_close(compiled(a, b), _model(a, b), rtol=0, atol=0)
     assert counter.frame_count == 1
+
+
+def test_a_forward_only_operator_compiles_and_refuses_only_a_backward():
+    """An inference operator whose input requires grad (parameters in an eval loop) runs
+    eagerly and compiled; only computing a gradient through it raises, in both modes."""
+    grad = torch.randn(4, 3, requires_grad=True)
+    indices = torch.tensor([0, 1, 1, 2])
+    eager = opforge.embedding_dense_grad(grad, indices, 5)
+    compiled = torch.compile(lambda g, i: opforge.embedding_dense_grad(g, i, 5),
+                             fullgraph=True, backend="aot_eager")
+    result = compiled(grad, indices)
+    torch.testing.assert_close(result, eager, rtol=0, atol=0)
+    for output in (eager, result):
+        with pytest.raises(opforge.UnsupportedError, match="has no backward"):
+            output.sum().backward()
+    assert grad.grad is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_mode_and_torch_func_transforms_are_refused_not_silently_wrong(backend):
+    """Forward-mode AD would drop the tangents (a zero or missing derivative), and
+    torch.func's grad cannot run the operators' autograd: both raise UnsupportedError;
+    vmap (with a backward through it) and plain calls inside a dual level work."""
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    with opforge.use_backend(backend):
+        with pytest.raises(opforge.UnsupportedError, match="forward-mode"):
+            torch.func.jvp(opforge.sigmoid, (x,), (t,))
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(x, t)
+            with pytest.raises(opforge.UnsupportedError, match="forward-mode"):
+                opforge.sigmoid(dual)
+            torch.testing.assert_close(opforge.sigmoid(x), torch.sigmoid(x))
+        with pytest.raises(opforge.UnsupportedError, match=r"torch\.func transforms"):
+            torch.func.grad(lambda v: opforge.sigmoid(v).sum())(x)
+        leaf = x.clone().requires_grad_()
+        batched = torch.func.vmap(opforge.sigmoid)(leaf)
+        torch.testing.assert_close(batched, torch.sigmoid(x))
+        (grad,) = torch.autograd.grad(batched.sum(), leaf)
+        torch.testing.assert_close(grad, torch.sigmoid(x) * (1 - torch.sigmoid(x)))

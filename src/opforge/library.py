@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from opforge.core import registry
 from opforge.core.errors import OpError, UnsupportedError
@@ -105,14 +106,20 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
         result = below_autograd(keyset, inputs)
         if opdef.setup_context_fn is not None:
             opdef.setup_context_fn(ctx, tuple(inputs), result)
+        elif opdef.backward_fn is None:
+            ctx.input_specs = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else None
+                               for a in inputs]
         return result
 
     def backward(ctx: Any, *grads: Any) -> Any:
         if opdef.backward_fn is None:
-            raise UnsupportedError("has no backward (a forward-only operator): its inputs "
-                                   "cannot receive gradients", op=opdef.name, param="inputs",
-                                   expected="no gradient through the operator",
-                                   got="a backward pass")
+            # Raised by an operator when the gradients run, not here: torch.compile traces
+            # this backward whenever an input requires grad, also for a call never
+            # differentiated (an inference loop over parameters).
+            grad = next(g for g in grads if g is not None)
+            return (*(torch.ops.opforge._no_gradient(grad, spec[0], spec[1], opdef.name)
+                      if spec is not None and need else None
+                      for spec, need in zip(ctx.input_specs, ctx.needs_input_grad)), None)
         needs = ctx.needs_input_grad
         ctx.needs_input_grad = needs[:-1]  # the keyset is not an input
         try:
@@ -126,13 +133,32 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
 
     def kernel(keyset: Any, *args: Any) -> Any:
         below = keyset & after_autograd
+        if forward_ad._current_level >= 0 and _has_tangent(args):
+            raise _unsupported_transform(opdef, "forward-mode AD (torch.func.jvp, "
+                                         "torch.autograd.forward_ad)")
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if torch._C._functorch.peek_interpreter_stack() is not None:
+                raise _unsupported_transform(opdef, "torch.func transforms (grad, vjp, "
+                                             "jacrev)")
             return function.apply(*full(args), below)
         return below_autograd(below, args)
 
     # Dynamo must not trace into opforge's kernels when an eager call reaches them from a
     # compiled region (after a graph break).
     return torch.compiler.disable(kernel)
+
+
+def _has_tangent(args: Sequence[Any]) -> bool:
+    """Whether a tensor argument carries a forward-mode tangent (a dual level is open)."""
+    return any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
+               for a in args)
+
+
+def _unsupported_transform(opdef: OpDef, transform: str) -> UnsupportedError:
+    # Without this the tangent would be dropped silently (a zero or missing derivative).
+    return UnsupportedError(f"cannot be differentiated by {transform}", op=opdef.name,
+                            param="inputs", expected="torch.autograd reverse mode "
+                            "(backward, torch.autograd.grad)", got=transform)
 
 
 def _version_bump_kernel(opdef: OpDef, op: Any) -> Callable[..., Any]:
@@ -212,4 +238,25 @@ def call(name: str, *args: Any) -> Any:
         except OpError as typed:
             raise typed from None
         raise
+
+
+def _no_gradient(grad: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                 op: str) -> torch.Tensor:
+    raise UnsupportedError("has no backward (a forward-only operator): its inputs cannot "
+                           "receive gradients", op=op, param="inputs",
+                           expected="no gradient through the operator", got="a backward pass")
+
+
+def _no_gradient_fake(grad: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                      op: str) -> torch.Tensor:
+    return grad.new_empty(shape, dtype=dtype)
+
+
+# The gradient of a forward-only operator's input: an operator whose kernel raises, so that
+# a graph holding it compiles and fails only if the gradient is computed.
+_library("opforge").define("_no_gradient(Tensor grad, SymInt[] shape, ScalarType dtype, "
+                           "str op) -> Tensor")
+_library("opforge").impl("_no_gradient", _no_gradient, "CompositeExplicitAutograd")
+torch.library.register_fake("opforge::_no_gradient", _no_gradient_fake,
+                            lib=_library("opforge"))
 
