@@ -44,11 +44,42 @@ def test_bias_update_raises_under_loaded_experts():
     assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
 
 
+def test_an_empty_batch_has_no_auxiliary_loss():
+    scores = torch.empty(0, 4, requires_grad=True)
+    loss = load_balancing_loss(scores, torch.empty(0, 2, dtype=torch.long))
+    assert loss.item() == 0
+    gate = MoEGate(8, num_experts=4, k=2, aux_loss_coef=0.01)
+    weights, _, stats = gate(torch.empty(0, 8))
+    assert weights.shape == (0, 2) and stats.aux_loss.item() == 0
+    stats.aux_loss.backward()
+    assert torch.isfinite(gate.weight.grad).all()
+
+
+def test_the_gate_bias_stays_float32_in_a_low_precision_gate():
+    """Steps of 1e-3 round away in bfloat16 (lost at |bias| >= 0.5, doubled below):
+    the bias buffer keeps float32 through .to(dtype) and moves with the device."""
+    gate = MoEGate(8, num_experts=4, k=2, bias_update_rate=1e-3).to(torch.bfloat16)
+    assert gate.weight.dtype == torch.bfloat16 and gate.bias.dtype == torch.float32
+    gate.bias.fill_(0.5)
+    update_bias(gate.bias, torch.tensor([10, 2, 2, 2]), 1e-3)
+    torch.testing.assert_close(gate.bias, torch.tensor([0.499, 0.501, 0.501, 0.501]))
+    gate.train()
+    weights, _, _ = gate(torch.randn(6, 8, dtype=torch.bfloat16))
+    assert weights.dtype == torch.bfloat16
+    assert gate.to("meta").bias.device.type == "meta"
+    with pytest.raises(opforge.DtypeError):
+        update_bias(torch.zeros(4, dtype=torch.int64), torch.tensor([1, 2, 3, 4]), 1.0)
+
+
 def test_dynamic_k_keeps_the_fewest_experts_reaching_the_share():
     weights = torch.tensor([[0.1, 0.6, 0.3], [0.34, 0.33, 0.33], [0.9, 0.05, 0.05]])
     kept = dynamic_k(weights, 0.8)
     assert kept.tolist() == [[False, True, True], [True, True, True], [True, False, False]]
     assert dynamic_k(weights, 1e-9).sum(-1).tolist() == [1, 1, 1]
+    # A prefix whose share equals the threshold exactly is enough (no re-rounding).
+    ties = torch.tensor([[0.5, 0.4, 0.1], [0.45, 0.35, 0.2]])
+    assert dynamic_k(ties, 0.5)[0].tolist() == [True, False, False]
+    assert dynamic_k(ties, 0.8)[1].tolist() == [True, True, False]
     with pytest.raises(opforge.AttrError) as raised:
         dynamic_k(weights, 0.0)
     assert raised.value.param == "threshold"

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from opforge.core.errors import AttrError, IndexRangeError
+from opforge.core.errors import AttrError, DtypeError, IndexRangeError
 from opforge.functional import moe_gating_top_k
 
 
@@ -46,16 +47,25 @@ def load_balancing_loss(scores: torch.Tensor, expert_idx: torch.Tensor) -> torch
     """
     experts = scores.shape[1]
     fraction = expert_load(expert_idx, experts).to(scores.dtype) / max(1, expert_idx.numel())
-    return experts * (fraction * scores.mean(0)).sum()
+    # An empty batch (a micro-batch or expert shard without tokens) contributes 0, not NaN.
+    mean_scores = scores.sum(0) / max(1, scores.shape[0])
+    return experts * (fraction * mean_scores).sum()
 
 
 @torch.no_grad()
 def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
     """DeepSeek-V3's auxiliary-loss-free balancing, in place: ``bias += rate *
     sign(mean(load) - load)`` (under-loaded experts become more likely to be chosen).
-    Returns ``bias``."""
+    Returns ``bias``. Keep ``bias`` in float32 (`MoEGate` does): in bfloat16 a step of
+    1e-3 is lost at |bias| >= 0.5 and doubled below it.
+
+    Raises:
+        DtypeError: ``bias`` is not a floating-point tensor."""
+    if not bias.is_floating_point():
+        raise DtypeError("must be a floating-point tensor", op="update_bias", param="bias",
+                         expected="float32", got=str(bias.dtype))
     load = load.to(torch.float32)
-    bias += rate * torch.sign(load.mean() - load).to(bias.dtype)
+    bias.copy_(bias.float() + rate * torch.sign(load.mean() - load))
     return bias
 
 
@@ -78,7 +88,10 @@ def dynamic_k(weights: torch.Tensor, threshold: float) -> torch.Tensor:
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
     ranked = weights.gather(-1, order).float()
     share = ranked / ranked.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    before = torch.cumsum(share, -1) - share
+    # An exclusive cumulative sum: subtracting a share back from the inclusive one
+    # re-rounds, and a prefix exactly at the threshold would keep one expert too many.
+    cumulative = torch.cumsum(share, -1)
+    before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], -1)
     keep_ranked = before < threshold
     keep_ranked[..., 0] = True
     return torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked)
@@ -172,7 +185,10 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device,
                                                dtype=dtype))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        self.register_buffer("bias", torch.zeros(num_experts, device=device, dtype=dtype))
+        # The balancing bias accumulates steps of bias_update_rate: float32 whatever the
+        # module's dtype (see `_apply`), cast to the logits' dtype where it is used.
+        self.register_buffer("bias", torch.zeros(num_experts, device=device,
+                                                 dtype=torch.float32))
         self.num_experts, self.k = num_experts, k
         self.routing = {"k_group": k_group, "group_count": group_count,
                         "group_select_mode": group_select_mode, "renorm": renorm,
@@ -181,6 +197,13 @@ class MoEGate(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.bias_update_rate = bias_update_rate
         self.dynamic_threshold = dynamic_threshold
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoEGate:
+        # .to(dtype) / .half() would round the float32 bias: it follows the device only.
+        bias = self.bias
+        super()._apply(fn, recurse)
+        self.bias = bias.to(self.bias.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GateStats]:
         """``(weights (T, k), expert_idx (T, k) int32, stats)`` for tokens ``x`` ``(T, H)``
