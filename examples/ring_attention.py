@@ -36,7 +36,7 @@ def main() -> int:
     with opforge.use_backend("torch"):
         shards = [shard_sequence(t, 2, layout).requires_grad_() for t in (q, k, v)]
         timings: dict[str, float] = {}
-        out = ring_attention(*shards, causal=args.causal, timings=timings)
+        out = ring_attention(*shards, causal=args.causal, layout=layout, timings=timings)
         grads = torch.autograd.grad(out, shards, shard_sequence(dout, 2, layout))
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         expected = opforge.attention(*full, causal=args.causal)

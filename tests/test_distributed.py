@@ -110,15 +110,65 @@ def test_ring_attention_equals_single_process_attention(world):
 def _uneven_body(rank: int) -> None:
     with pytest.raises(opforge.ShapeError, match="divide evenly"):
         shard_sequence(torch.zeros(1, 1, 10, 4), 2, "zigzag")
-    with pytest.raises(opforge.ShapeError):
+    with pytest.raises(opforge.ShapeError, match="two equal chunks"):
         ring_attention(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4),
-                       torch.zeros(1, 1, 3, 4), causal=True)
+                       torch.zeros(1, 1, 3, 4), causal=True, layout="zigzag")
     with pytest.raises(opforge.AttrError):
         ring_attention(*[torch.zeros(1, 1, 4, 4)] * 3, layout="striped")
+    # Causal attention must be told how the shards were cut.
+    for attend in (ring_attention, gathered_attention):
+        with pytest.raises(opforge.AttrError, match="must be given for causal"):
+            attend(*[torch.zeros(1, 1, 4, 4)] * 3, causal=True)
+    with pytest.raises(opforge.AttrError, match="not a known layout"):
+        unshard_sequence(torch.zeros(1, 1, 4, 4), 2, "contigous")
+    with pytest.raises(opforge.AttrError, match="out of range"):
+        shard_sequence(torch.zeros(1, 1, 4, 4), 5)
 
 
 def test_uneven_lengths_and_bad_layouts_are_rejected():
     _spawn(2, _uneven_body)
+
+
+def _robust_body(rank: int) -> None:
+    """Errors are raised on every rank before any transfer, and the group stays usable;
+    permuted shards travel."""
+    q, k, v, _ = _full_inputs()
+    shards = [shard_sequence(t, 2, "zigzag") for t in (q, k, v)]
+    expected = ring_attention(*shards, causal=True, layout="zigzag")
+    # An error on every rank (v of another head count), then on one rank only (its
+    # shards are longer): typed errors everywhere, no transfer left half-done.
+    with pytest.raises(opforge.ShapeError):
+        ring_attention(shards[0], shards[1], shards[2][:, :1], causal=True, layout="zigzag")
+    longer = [torch.cat([t, t[:, :, :2]], 2) for t in shards] if rank == 1 else shards
+    with pytest.raises(opforge.ShapeError, match="differ in shape"):
+        ring_attention(*longer, causal=True, layout="zigzag")
+    bad_dtype = shards[2].double() if rank == 0 else shards[2]
+    with pytest.raises(opforge.OpError):
+        ring_attention(shards[0], shards[1], bad_dtype, causal=True, layout="zigzag")
+    # [B, S, H, D] activations viewed as [B, H, S, D]: the ring's buffers are dense.
+    permuted = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                for t in shards]
+    assert not permuted[1].is_contiguous()
+    out = ring_attention(*permuted, causal=True, layout="zigzag")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grads = torch.autograd.grad(out.sum(), permuted)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_ring_survives_bad_input_and_takes_permuted_shards():
+    _spawn(2, _robust_body)
+
+
+def _causal_zigzag_ring(*shards: torch.Tensor) -> torch.Tensor:
+    return ring_attention(*shards, causal=True, layout="zigzag")
+
+
+def _one_rank_body(rank: int) -> None:
+    _check_against_one_process(_causal_zigzag_ring, True, "zigzag")
+
+
+def test_a_one_rank_ring_is_single_process_attention():
+    _spawn(1, _one_rank_body)
 
 
 def _stalled_worker(rank: int, world: int, init_file: str, results: str) -> None:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from opforge.core.errors import AttrError, ShapeError
+from opforge.core.errors import AttrError, OpError, ShapeError
+from opforge.core.plan import plan
 from opforge.functional import attention, attention_backward
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -65,6 +66,14 @@ def _chunks(length: int, world: int, mode: str, op: str) -> int:
     return length // parts
 
 
+def _check_dim(x: torch.Tensor, dim: int, op: str) -> int:
+    """``dim`` of ``x``, or AttrError."""
+    if not -x.dim() <= dim < max(1, x.dim()):
+        raise AttrError("is out of range", op=op, param="dim",
+                        expected=f"a dim of a {x.dim()}-D tensor", got=dim)
+    return dim
+
+
 def _pieces(rank: int, world: int, mode: str) -> tuple[int, ...]:
     """The chunk numbers rank ``rank`` holds, in order."""
     return (rank, 2 * world - 1 - rank) if mode == "zigzag" else (rank,)
@@ -80,7 +89,8 @@ def shard_sequence(x: torch.Tensor, dim: int, mode: str | None = None,
     """
     mode = mode or "contiguous"
     rank, world = _group_info(group)
-    size = _chunks(x.shape[dim], world, mode, "shard_sequence")
+    size = _chunks(x.shape[_check_dim(x, dim, "shard_sequence")], world, mode,
+                   "shard_sequence")
     return torch.cat([x.narrow(dim, piece * size, size) for piece in _pieces(rank, world,
                                                                           mode)], dim)
 
@@ -118,8 +128,16 @@ def unshard_sequence(shard: torch.Tensor, dim: int, mode: str | None = None,
                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full tensor gathered from every rank's shard (inverse of `shard_sequence`),
     differentiably: the gradient of a shard is the sum over ranks of the gradients of
-    its slice."""
-    return _Unshard.apply(shard, dim, mode or "contiguous", group)
+    its slice.
+
+    Raises:
+        AttrError: an unknown mode or a dim out of range. ShapeError: a zigzag shard of
+            odd length.
+    """
+    mode = mode or "contiguous"
+    _chunks(shard.shape[_check_dim(shard, dim, "unshard_sequence")], 1, mode,
+            "unshard_sequence")
+    return _Unshard.apply(shard, dim, mode, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +197,10 @@ class Ring:
         self.next, self.previous = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
 
     def start(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[object]]:
-        received = [torch.empty_like(t) for t in tensors]
+        # Dense buffers: gloo and NCCL refuse to receive into a permuted layout (a
+        # [B, S, H, D] shard viewed as [B, H, S, D]).
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                    for t in tensors]
         works = []
         for out, into in zip(tensors, received):
             works.append(dist.isend(out.contiguous(), self.next, group=self.group))
@@ -220,12 +241,18 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         if step + 1 < world:
             incoming, works = ring.start(block)
         source = (rank - step) % world
-        with _Timed(timings, "compute"):
-            for piece in _visible(rank, source, world, chunk, causal, layout):
-                part_out, part_lse = attention(q[:, :, piece.rows], block[0][:, :, piece.keys],
-                                               block[1][:, :, piece.keys], piece.causal,
-                                               scale, return_lse=True)
-                _merge(out, lse, piece.rows, part_out, part_lse)
+        try:
+            with _Timed(timings, "compute"):
+                for piece in _visible(rank, source, world, chunk, causal, layout):
+                    part_out, part_lse = attention(
+                        q[:, :, piece.rows], block[0][:, :, piece.keys],
+                        block[1][:, :, piece.keys], piece.causal, scale, return_lse=True)
+                    _merge(out, lse, piece.rows, part_out, part_lse)
+        except BaseException:
+            # Transfers left posted would desynchronise the pair for the next call.
+            if works:
+                ring.finish(works)
+            raise
         if works:
             with _Timed(timings, "wait"):
                 ring.finish(works)
@@ -239,8 +266,8 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
     grad_q = torch.zeros_like(q, dtype=torch.float32)
-    travelling = [k, v, torch.zeros_like(k, dtype=torch.float32),
-                  torch.zeros_like(v, dtype=torch.float32)]
+    travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
     for step in range(world):
         source = (rank - step) % world
         block_k, block_v, grad_k, grad_v = travelling
@@ -253,10 +280,11 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             grad_k[:, :, piece.keys] += dk.float()
             grad_v[:, :, piece.keys] += dv.float()
         # Pass the block and its accumulators on; after the last step one more hop brings
-        # each accumulator home.
-        incoming, works = ring.start(travelling if step + 1 < world else [grad_k, grad_v])
-        ring.finish(works)
-        travelling = incoming
+        # each accumulator home (a one-rank ring is home already).
+        if world > 1:
+            incoming, works = ring.start(travelling if step + 1 < world else [grad_k, grad_v])
+            ring.finish(works)
+            travelling = incoming
     grad_k, grad_v = travelling[-2:]
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
@@ -303,16 +331,73 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         again).
 
     Raises:
-        ShapeError: the shard lengths differ or a zigzag shard is odd. AttrError: an
-            unknown layout.
+        ShapeError: the shard lengths differ (here or across the ranks), a zigzag shard
+            is odd, or attention's own shape checks. DtypeError: as `opforge.attention`.
+        AttrError: an unknown layout, or none given with ``causal`` (it must be the one
+            the shards were cut with).
+        All before any transfer, on every rank alike, so that the group stays usable.
     """
-    layout = layout or ("zigzag" if causal else "contiguous")
-    _check_layout(layout, "ring_attention", "layout")
-    if k.shape[2] != q.shape[2] or (layout == "zigzag" and q.shape[2] % 2):
-        raise ShapeError("shards must have one even length (zigzag: two equal chunks)",
-                         op="ring_attention", param="k", expected=q.shape[2],
-                         got=k.shape[2])
+    layout = _layout(layout, causal, "ring_attention")
+    _check_shards(q, k, v, causal, scale, layout, group, "ring_attention", timeout)
     return _RingAttention.apply(q, k, v, causal, scale, layout, group, timeout, timings)
+
+
+def _layout(layout: str | None, causal: bool, op: str) -> str:
+    """The layout to use: causal attention must be told the shards' layout (contiguous
+    shards read as zigzag ones give wrong results); non-causal attention does not
+    depend on it."""
+    if layout is None:
+        if causal:
+            raise AttrError("must be given for causal attention: the layout the shards were "
+                            "cut with by shard_sequence (zigzag balances the causal work)",
+                            op=op, param="layout", expected=f"one of {LAYOUTS}", got=None)
+        return "contiguous"
+    _check_layout(layout, op, "layout")
+    return layout
+
+
+# Codes of the dtypes in the cross-rank check (any other: -1).
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_SPEC_LENGTH = 1 + 3 * 4 + 1  # failed flag, q/k/v shapes, dtype
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float | None, layout: str, group: dist.ProcessGroup | None,
+                  op: str, timeout: datetime.timedelta) -> None:
+    """This rank's shards against attention's rules, then every rank's shapes and dtype
+    against the others' (one small all-reduce, waited for at most ``timeout``): a rank
+    whose check fails raises, and so do all the others, before any block travels."""
+    local: OpError | None = None
+    try:
+        plan("attention", q, k, v, causal=causal, scale=scale)
+        if k.shape[2] != q.shape[2]:
+            raise ShapeError("key shards must have the query shards' length", op=op,
+                             param="k", expected=q.shape[2], got=k.shape[2])
+        if layout == "zigzag" and q.shape[2] % 2:
+            raise ShapeError("a zigzag shard holds two equal chunks", op=op, param="q",
+                             expected="an even shard length", got=q.shape[2])
+    except OpError as error:
+        local = error
+    spec = [1] + [0] * (_SPEC_LENGTH - 1) if local is not None else [
+        0, *q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)]
+    # One MAX all-reduce of (spec, -spec) gives every rank the largest and smallest value
+    # of each entry: equal everywhere exactly when the ranks agree.
+    both = torch.tensor([*spec, *(-value for value in spec)], dtype=torch.int64,
+                        device=q.device)
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    if not work.wait(timeout):
+        raise TimeoutError(f"the ranks' shard check did not finish within {timeout}")
+    if local is not None:
+        raise local
+    highest = both[:_SPEC_LENGTH].tolist()
+    lowest = [-value for value in both[_SPEC_LENGTH:].tolist()]
+    if highest[0]:
+        raise ShapeError("another rank's shards failed their checks", op=op, param="q",
+                         expected="valid shards on every rank", got="an error on a peer")
+    if highest != lowest:
+        raise ShapeError("the ranks' shards differ in shape or dtype", op=op, param="q",
+                         expected=f"q, k, v shapes and dtype {lowest[1:]} on every rank",
+                         got=f"up to {highest[1:]}")
 
 
 @dataclass(frozen=True)
@@ -408,11 +493,11 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `ring_attention` stays the default.
 
     Raises:
-        ShapeError: the shard lengths differ.
+        ShapeError: the shard lengths differ (here or across the ranks), or attention's own
+            shape checks. DtypeError: as `opforge.attention`. All before any transfer.
     """
-    if k.shape[2] != q.shape[2]:
-        raise ShapeError("shards must have one length", op="hierarchical_attention",
-                         param="k", expected=q.shape[2], got=k.shape[2])
+    _check_shards(q, k, v, causal, scale, "contiguous", None, "hierarchical_attention",
+                  timeout)
     local_size = dist.get_world_size(groups.intra)
     nodes = dist.get_world_size() // local_size
     leader = groups.node * local_size
@@ -457,8 +542,15 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        ) -> torch.Tensor:
     """The barrier-synchronised baseline (for comparison): all-gather K and V, barrier,
     then this rank's queries against the whole sequence (a causal rank attends to the
-    keys before its chunks' ends, which the bottom-right mask aligns)."""
-    layout = layout or ("zigzag" if causal else "contiguous")
+    keys before its chunks' ends, which the bottom-right mask aligns).
+
+    Raises:
+        AttrError: an unknown layout, or none given with ``causal``. ShapeError, DtypeError:
+            as `ring_attention`.
+    """
+    layout = _layout(layout, causal, "gathered_attention")
+    _check_shards(q, k, v, causal, scale, layout, group, "gathered_attention",
+                  DEFAULT_TIMEOUT)
     rank, world = _group_info(group)
     keys = unshard_sequence(k, 2, layout, group)
     values = unshard_sequence(v, 2, layout, group)
