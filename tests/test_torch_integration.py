@@ -98,6 +98,45 @@ def test_gradcheck_float64(function, inputs):
     assert torch.autograd.gradcheck(function, inputs)
 
 
+def _torch_attention(q, k, v):
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("ours, theirs, shapes", [
+    (lambda x, w: opforge.rms_norm(x, w),
+     lambda x, w: torch.nn.functional.rms_norm(x, (7,), w, 1e-6), ((5, 7), (7,))),
+    (lambda x, w, b: opforge.layer_norm(x, 7, w, b),
+     lambda x, w, b: torch.nn.functional.layer_norm(x, (7,), w, b), ((5, 7), (7,), (7,))),
+    (lambda q, k, v: opforge.attention(q, k, v), _torch_attention,
+     ((1, 2, 5, 8), (1, 2, 6, 8), (1, 2, 6, 8))),
+], ids=["rms_norm", "layer_norm", "attention"])
+def test_float64_gradients_are_float64_exact(ours, theirs, shapes):
+    """The statistics a float64 forward saves (rstd, mean, lse) are float64, so that its
+    gradients agree with torch's float64 autograd to float64 rounding, not float32's."""
+    inputs = [_double(*shape, seed=index) for index, shape in enumerate(shapes)]
+    upstream = torch.randn(ours(*inputs).shape, dtype=torch.float64)
+    mine = torch.autograd.grad(ours(*inputs), inputs, upstream)
+    reference = torch.autograd.grad(theirs(*inputs), inputs, upstream)
+    for got, want in zip(mine, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_saved_statistics_must_have_the_forward_dtype():
+    x, weight = torch.randn(3, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    _, rstd = opforge.plan("rms_norm", x, weight).run(x, weight)
+    assert rstd.dtype == torch.float64
+    with pytest.raises(opforge.DtypeError, match="float64 for inputs of float64"):
+        opforge.plan("rms_norm_backward", x, x, rstd.float(), weight)
+    with pytest.raises(opforge.DtypeError, match="float32 for inputs of float32"):
+        opforge.plan("rms_norm_backward", x.float(), x.float(), rstd, weight.float())
+    q = torch.randn(1, 1, 3, 4)
+    out, lse = opforge.attention(q, q, q, return_lse=True)
+    with pytest.raises(opforge.DtypeError) as raised:
+        opforge.attention_backward(out, q, q, q, out, lse.double())
+    assert raised.value.param == "lse"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_broadcast_add_backward_against_golden(dtype, backend):
     generator = torch.Generator().manual_seed(5)

@@ -1,8 +1,8 @@
 """Sequence-parallel attention over ``torch.distributed``: each rank holds a shard of the
 sequence (dim 2 of ``[B, H, S, D]``), key/value blocks travel round a ring of ranks, and
-the partial results merge by the log-sum-exp rule in float32 (the distributed form of the
-online softmax). Works on any backend torch.distributed has (gloo on CPUs, NCCL on GPUs,
-HCCL on NPUs); launch with ``torchrun``.
+the partial results merge by the log-sum-exp rule in float32 (float64 for float64 inputs):
+the distributed form of the online softmax. Works on any backend torch.distributed has
+(gloo on CPUs, NCCL on GPUs, HCCL on NPUs); launch with ``torchrun``.
 
 Layouts (``shard_sequence``): ``"contiguous"`` gives rank r the r-th of W equal chunks;
 ``"zigzag"`` cuts the sequence into 2W chunks and gives rank r chunks r and 2W-1-r, in that
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from opforge.core.errors import AttrError, OpError, ShapeError
 from opforge.core.plan import plan
 from opforge.functional import attention, attention_backward
+from opforge.ops._statistics import statistics_dtype
 
 LAYOUTS = ("contiguous", "zigzag")
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
@@ -174,14 +175,14 @@ def _visible(rank: int, source: int, world: int, chunk: int, causal: bool, layou
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
            block_lse: torch.Tensor) -> None:
-    """Fold a block's (out, lse) into the float32 running (out, lse) of ``rows``, in
-    place: the log-sum-exp rule."""
+    """Fold a block's (out, lse) into the running (out, lse) of ``rows`` (float32, float64
+    for float64 inputs), in place: the log-sum-exp rule."""
     old_out, old_lse = out[:, :, rows], lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
     # Rows that have seen no key yet keep lse -inf: exp(-inf - -inf) is NaN, use 0.
     keep = torch.nan_to_num(torch.exp(old_lse - new_lse), nan=0.0)
     take = torch.nan_to_num(torch.exp(block_lse - new_lse), nan=0.0)
-    out[:, :, rows] = old_out * keep[..., None] + block_out.float() * take[..., None]
+    out[:, :, rows] = old_out * keep[..., None] + block_out.to(out.dtype) * take[..., None]
     lse[:, :, rows] = new_lse
 
 
@@ -233,8 +234,9 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   scale: float | None, layout: str, ring: Ring, world: int, rank: int,
                   timings: dict[str, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
-    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    wide = statistics_dtype(q.dtype)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=wide, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=wide, device=q.device)
     block = [k, v]
     for step in range(world):
         works = []
@@ -265,9 +267,10 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    layout: str, ring: Ring, world: int, rank: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chunk = q.shape[2] // (2 if layout == "zigzag" else 1)
-    grad_q = torch.zeros_like(q, dtype=torch.float32)
-    travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    wide = statistics_dtype(q.dtype)
+    grad_q = torch.zeros_like(q, dtype=wide)
+    travelling = [k, v, torch.zeros(k.shape, dtype=wide, device=k.device),
+                  torch.zeros(v.shape, dtype=wide, device=v.device)]
     for step in range(world):
         source = (rank - step) % world
         block_k, block_v, grad_k, grad_v = travelling
@@ -276,9 +279,9 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                 dout[:, :, piece.rows], q[:, :, piece.rows], block_k[:, :, piece.keys],
                 block_v[:, :, piece.keys], out[:, :, piece.rows], lse[:, :, piece.rows],
                 piece.causal, scale)
-            grad_q[:, :, piece.rows] += dq.float()
-            grad_k[:, :, piece.keys] += dk.float()
-            grad_v[:, :, piece.keys] += dv.float()
+            grad_q[:, :, piece.rows] += dq.to(wide)
+            grad_k[:, :, piece.keys] += dk.to(wide)
+            grad_v[:, :, piece.keys] += dv.to(wide)
         # Pass the block and its accumulators on; after the last step one more hop brings
         # each accumulator home (a one-rank ring is home already).
         if world > 1:
@@ -523,11 +526,11 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_out, part_lse = attention(q, keys, values, causal and source == groups.node,
                                        scale, return_lse=True)
         if out is None:
-            out, lse = part_out.float(), part_lse
+            out, lse = part_out.to(part_lse.dtype), part_lse
             continue
         merged = torch.logaddexp(lse, part_lse)
         out = out * torch.exp(lse - merged)[..., None] \
-            + part_out.float() * torch.exp(part_lse - merged)[..., None]
+            + part_out.to(out.dtype) * torch.exp(part_lse - merged)[..., None]
         lse = merged
     if unused:
         # Blocks this rank does not attend to still carry (zero) gradients, so that its

@@ -195,9 +195,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             in FlashAttention and KV-cache decoding; torch's SDPA ``is_causal`` aligns
             top-left, the same only when ``Sq == Sk``). A query that sees no key gets 0.
         scale: score scale, ``1 / sqrt(D)`` when None.
-        return_lse: also return the float32 natural-log log-sum-exp of each query's scaled
-            scores, ``(B, H, Sq)`` (``-inf`` for a query that sees no key). A NaN or +inf
-            score (a NaN input, an overflowed ``q.k``) makes its row's out and lse NaN.
+        return_lse: also return the float32 (for float64 inputs float64) natural-log
+            log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` (``-inf`` for a query
+            that sees no key). A NaN or +inf score (a NaN input, an overflowed ``q.k``)
+            makes its row's out and lse NaN.
 
     Returns:
         ``out`` ``(B, H, Sq, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k,
@@ -224,7 +225,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     Raises:
         ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
-            ``lse``/``grad_lse`` are not float32.
+            ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs).
     """
     return call("attention_backward", dout, q, k, v, out, lse, grad_lse, causal, scale)
 

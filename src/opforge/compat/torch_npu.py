@@ -1,9 +1,10 @@
 """``torch_npu``'s fused-operator signatures, computed by opforge on any device: code written
 for Ascend runs unchanged on a GPU or a CPU.
 
-``rstd`` is float32 with the input's shape and the normalised (last) dim kept as 1, as
-torch_npu returns it. `npu_mla_prolog` takes the quantisation arguments of the signature
-and refuses them (opforge's MlaProlog has no int8 path).
+``rstd`` is float32 (float64 for float64 inputs) with the input's shape and the
+normalised (last) dim kept as 1, as torch_npu returns it. `npu_mla_prolog` takes the
+quantisation arguments of the signature and refuses them (opforge's MlaProlog has no int8
+path).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ its gradient ``attention_backward``.
 Layout ``[B, H, S, D]``: ``q`` is ``(B, H, Sq, D)``, ``k`` is ``(B, Hkv, Sk, D)``, ``v`` is
 ``(B, Hkv, Sk, Dv)`` with ``H`` a multiple of ``Hkv`` (grouped-query attention: query
 head ``h`` reads key/value head ``h // (H / Hkv)``), ``D, Dv <= 256``. Outputs: ``out``
-``(B, H, Sq, Dv)`` in q's dtype and ``lse`` ``(B, H, Sq)`` float32, the natural-log
-log-sum-exp of each row of scaled scores.
+``(B, H, Sq, Dv)`` in q's dtype and ``lse`` ``(B, H, Sq)`` float32 (float64 for float64
+inputs), the natural-log log-sum-exp of each row of scaled scores.
 
 ``causal`` masks aligned to the bottom-right: query ``i`` sees keys ``j <= i + Sk - Sq``
 (the last query sees every key, as in KV-cache decoding and FlashAttention). torch's
@@ -81,6 +81,7 @@ from opforge.library import register_op
 from opforge.ops._descriptors import descriptors_usable, use_scratch_allocator
 from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
+from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
 from opforge.precision.cases import LONG_ROW, generate
 
 try:
@@ -154,7 +155,7 @@ def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
 
 
 def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
-    return [inputs[0].dtype, torch.float32]
+    return [inputs[0].dtype, statistics_dtype(inputs[0].dtype)]
 
 
 def _visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -536,6 +537,7 @@ def _check_backward(inputs: Specs, attrs: Attrs) -> None:
     dout, q, k, v, out, lse, grad_lse = inputs
     op = "attention_backward"
     _same_dtype(op, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
+    check_statistics(op, q, [("lse", lse), ("grad_lse", grad_lse)])
     if any(is_unknown_rank(t.shape) for t in inputs if t is not None):
         return
     b, h, _, sq, _, _, dv = _shapes(q, k, v, op)
@@ -615,9 +617,10 @@ def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     out, lse = reference(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
                          causal=causal, scale=scale)
     dout = torch.randn(out.shape, generator=generator).to(q.device, q.dtype)
-    grad_lse = torch.randn(lse.shape, generator=generator).to(q.device) \
+    statistics = statistics_dtype(q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=generator).to(q.device, statistics) \
         if with_grad_lse else None
-    return dout, q, k, v, out.to(q.dtype), lse.float(), grad_lse
+    return dout, q, k, v, out.to(q.dtype), lse.to(statistics), grad_lse
 
 
 def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -668,8 +671,8 @@ ATTENTION_BACKWARD = OpDef(
     name="attention_backward", doc="Gradients of attention by recomputation from the saved "
                                    "lse; valid on one key block at a time.",
     inputs=(TensorArg("dout"), TensorArg("q"), TensorArg("k"), TensorArg("v"),
-            TensorArg("out"), TensorArg("lse", dtypes=(torch.float32,)),
-            TensorArg("grad_lse", dtypes=(torch.float32,), optional=True)),
+            TensorArg("out"), TensorArg("lse", dtypes=STATISTICS_DTYPES),
+            TensorArg("grad_lse", dtypes=STATISTICS_DTYPES, optional=True)),
     outputs=(OutputArg("grad_q"), OutputArg("grad_k"), OutputArg("grad_v")),
     attrs=(CAUSAL, SCALE), infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check_backward, cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,

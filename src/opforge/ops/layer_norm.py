@@ -8,9 +8,9 @@ which loses every digit for data like ``1e4 + N(0, 1)``; in registers the rough 
 rounding is taken out of the deviations of rows far from zero, in blocks the shifted
 values are exact, so y stays within a few float32 ulps there either way, where torch's
 float32 LayerNorm loses about 1e-3), ``rstd = 1 / sqrt(var + eps)`` with the biased
-variance, ``y = (x - mean) * rstd * weight + bias``. ``mean`` and ``rstd`` are float32 with
-x's leading shape; `opforge.layer_norm` returns ``y`` as ``torch.nn.functional.layer_norm``
-does. ``normalized_shape=None`` normalises the last dim.
+variance, ``y = (x - mean) * rstd * weight + bias``. ``mean`` and ``rstd`` are float32
+(float64 for float64 x) with x's leading shape; `opforge.layer_norm` returns ``y`` as
+``torch.nn.functional.layer_norm`` does. ``normalized_shape=None`` normalises the last dim.
 
 ``layer_norm_backward(grad, x, mean, rstd, weight, bias, normalized_shape) -> (grad_x,
 grad_weight, grad_bias)``; the weight and bias gradients are reduced from per-program
@@ -60,6 +60,7 @@ from opforge.ops._rows import (
     OVERFLOWING_SQUARES,
     SHARED_ROW_STATISTIC,
 )
+from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
 from opforge.precision.cases import generate
 
 NORMALIZED_SHAPE = Attr("normalized_shape", "ints", None, range=(0, None),
@@ -101,6 +102,7 @@ def _check(op: str, first_param: int) -> Callable[[Specs, Attrs], None]:
                 if tuple(spec.shape) != want:
                     raise ShapeError(f"must have shape {want}", op=op, param=name,
                                      expected=want, got=tuple(spec.shape))
+            check_statistics(op, x, [("mean", inputs[2]), ("rstd", inputs[3])])
         for spec, name in zip(inputs[-2:], ("weight", "bias")):
             if spec is not None and tuple(spec.shape) != normalized:
                 raise ShapeError("must have the normalized shape", op=op, param=name,
@@ -117,7 +119,8 @@ def _forward_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
 
 
 def _forward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
-    return [inputs[0].dtype, torch.float32, torch.float32]
+    stats = statistics_dtype(inputs[0].dtype)
+    return [inputs[0].dtype, stats, stats]
 
 
 def _backward_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
@@ -313,8 +316,9 @@ LAYER_NORM = OpDef(
 LAYER_NORM_BACKWARD = OpDef(
     name="layer_norm_backward", doc="(grad_x, grad_weight, grad_bias) of layer_norm from its "
                                     "saved mean and rstd.",
-    inputs=(TensorArg("grad"), TensorArg("x"), TensorArg("mean", (torch.float32,)),
-            TensorArg("rstd", (torch.float32,)), TensorArg("weight", FLOAT_DTYPES, optional=True),
+    inputs=(TensorArg("grad"), TensorArg("x"), TensorArg("mean", STATISTICS_DTYPES),
+            TensorArg("rstd", STATISTICS_DTYPES),
+            TensorArg("weight", FLOAT_DTYPES, optional=True),
             TensorArg("bias", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight"), OutputArg("grad_bias")),
     attrs=(NORMALIZED_SHAPE, EPS, RECENTRE), infer_shape=_backward_shapes,

@@ -6,8 +6,8 @@ float32 and ``y = x * rstd * weight`` (CANN's RmsNorm and ``torch_npu.npu_rms_no
 float32, so float16 values near 65504 do not overflow (their squares reach 4.3e9).
 ``add_rms_norm(x, residual, weight, eps) -> (y, rstd, x + residual)`` reads each input once
 and normalises the float32 sum (CANN's AddRmsNorm). ``weight`` may be ``None`` (no scale)
-and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 with ``x``'s
-leading shape.
+and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 (float64
+for float64 ``x``) with ``x``'s leading shape.
 
 ``rms_norm_backward(grad, x, rstd, weight) -> (grad_x, grad_weight)`` with
 ``x_hat = x * rstd``, ``g = grad * weight``: ``grad_x = rstd * (g - x_hat * mean(g x_hat))``
@@ -50,6 +50,7 @@ from opforge.ops._rows import (
     OVERFLOWING_ROW_SUM,
     SHARED_ROW_STATISTIC,
 )
+from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
 from opforge.precision.cases import generate
 
 EPS = Attr("eps", "float", 1e-6, range=(0.0, None), doc="added to mean(x^2)")
@@ -63,8 +64,10 @@ def _check_weight(op: str, x: object, weight: object) -> None:
                          expected=tuple(x.shape)[-1:], got=tuple(weight.shape))
 
 
-def _check(op: str, paired: tuple[str, ...]) -> Callable[[Specs, Attrs], None]:
-    """``weight`` matches x's last dim; ``paired`` inputs have x's shape."""
+def _check(op: str, paired: tuple[str, ...], statistics: bool = False
+           ) -> Callable[[Specs, Attrs], None]:
+    """``weight`` matches x's last dim; ``paired`` inputs have x's shape; with
+    ``statistics`` (a backward), ``rstd`` has the forward's statistics dtype."""
     def check(inputs: Specs, attrs: Attrs) -> None:
         x = inputs[0]
         for index, name in enumerate(paired, start=1):
@@ -72,6 +75,8 @@ def _check(op: str, paired: tuple[str, ...]) -> Callable[[Specs, Attrs], None]:
             if tuple(other.shape) != tuple(x.shape):
                 raise ShapeError("must have the shape of the first input", op=op,
                                  param=name, expected=tuple(x.shape), got=tuple(other.shape))
+        if statistics:
+            check_statistics(op, inputs[1], [("rstd", inputs[2])])
         _check_weight(op, x, inputs[-1])
     return check
 
@@ -93,7 +98,8 @@ def _forward_shapes(residual: bool) -> Callable[[Specs, Attrs], list[tuple[int, 
 def _forward_dtypes(residual: bool) -> Callable[[Specs, Attrs], list[torch.dtype]]:
     def infer(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
         dtype = inputs[0].dtype
-        return [dtype, torch.float32, dtype] if residual else [dtype, torch.float32]
+        stats = statistics_dtype(dtype)
+        return [dtype, stats, dtype] if residual else [dtype, stats]
     return infer
 
 
@@ -265,11 +271,11 @@ ADD_RMS_NORM = OpDef(
 
 RMS_NORM_BACKWARD = OpDef(
     name="rms_norm_backward", doc="(grad_x, grad_weight) of rms_norm from its saved rstd.",
-    inputs=(TensorArg("grad"), TensorArg("x"), TensorArg("rstd", (torch.float32,)),
+    inputs=(TensorArg("grad"), TensorArg("x"), TensorArg("rstd", STATISTICS_DTYPES),
             TensorArg("weight", FLOAT_DTYPES, optional=True)),
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight")), attrs=(EPS,),
     infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
-    check=_check("rms_norm_backward", ("x",)), cost=_cost(2, 1),
+    check=_check("rms_norm_backward", ("x",), statistics=True), cost=_cost(2, 1),
     tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
     workspace=norm.backward_workspace(_geometry, _partial_sets),
     kernel_costs=norm.backward_kernel_costs(_geometry, _partial_sets, _cost(2, 1)),
