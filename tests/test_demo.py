@@ -200,3 +200,79 @@ def test_demo_model_runs_on_the_triton_kernels():
         triton = demo.train(config, device=DEVICE)
     assert triton.losses == pytest.approx(reference.losses, rel=1e-4)
     assert triton.val_losses[0][1] == pytest.approx(reference.val_losses[0][1], rel=1e-4)
+
+
+def test_validation_is_neither_monitored_nor_the_reported_expert_load(monkeypatch):
+    """A validation pass between steps is not a training call: a NaN it makes raises no
+    alert, and the reported expert load is the last training step's (the validation here
+    routes a single token)."""
+    from opforge.demo import training
+
+    def poisoned_validation(model, data, config, device, dtype):
+        weight = model.blocks[0].moe.gate.weight
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.fill_(math.nan)
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+            weight.copy_(saved)
+        return 0.0
+
+    monkeypatch.setattr(training, "_validation_loss", poisoned_validation)
+    config = demo.RunConfig(steps=3, batch=2, seq=16, model=TINY, eval_every=1)
+    run = demo.train(config, device=DEVICE)
+    assert run.alerts == []
+    assert [sum(load) for load in run.expert_load] == [2 * 16 * TINY["k"]]
+
+
+def test_skipped_steps_are_the_steps_the_optimizer_did_not_take(monkeypatch):
+    """A loss scale stuck at its floor skips every step without lowering the scale: the
+    count comes from the optimizer, not from the scale's decreases."""
+
+    class StuckScaler(torch.amp.GradScaler):
+        def step(self, optimizer, *args, **kwargs):
+            return None  # found Inf/NaN: the optimizer does not step
+
+        def update(self, new_scale=None):
+            pass  # the scale cannot go lower
+
+    monkeypatch.setattr(torch.amp, "GradScaler", StuckScaler)
+    config = demo.RunConfig(steps=3, batch=2, seq=16, model=TINY, loss_scaling=True)
+    assert demo.train(config, device=DEVICE).skipped_steps == 3
+
+
+def test_a_profile_window_past_the_run_is_no_profile(tmp_path):
+    (tmp_path / "monitor.jsonl").write_text('{"kind": "nan", "step": 7}\n')
+    run, index = demo.run_demo(tmp_path, steps=2, batch=2, device=DEVICE, model=TINY,
+                               profile_steps=(10, 3), sample_chars=0)
+    assert run.profile is None and "(not profiled)" in index.read_text()
+    # A healthy run leaves no alert log, not the previous run's.
+    assert not (tmp_path / "monitor.jsonl").exists()
+    run, _ = demo.run_demo(tmp_path, steps=2, batch=2, device=DEVICE, model=TINY,
+                           profile_steps=(0, 1), sample_chars=0)
+    assert [s.step for s in run.profile.steps] == ["0"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--steps", "0"], "not an integer >= 1"),
+    (["--batch", "-1"], "not an integer >= 1"),
+    (["--profile-from", "-1"], "not an integer >= 0"),
+    (["--dump-every", "0"], "not an integer >= 1"),
+])
+def test_demo_refuses_bad_counts(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", *arguments])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_refuses_what_it_cannot_run_before_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [(["--device", "bogus"], "--device bogus"),
+             (["--model", "dim=32,heads=3"], "heads of equal width"),
+             (["--out", str(blocker / "reports")], "not a writable directory"),
+             (["--study", "--doc", str(blocker / "study.md")], "not a writable directory")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA device"))
+    for arguments, message in cases:
+        assert cli.main(["demo", "--quiet", *arguments]) == 2, arguments
+        assert message in capsys.readouterr().out, arguments

@@ -87,6 +87,8 @@ class Attention(torch.nn.Module):
 
     def __init__(self, dim: int, heads: int, max_seq: int, naive: bool) -> None:
         super().__init__()
+        if heads < 1 or dim % heads:
+            raise ValueError(f"dim {dim} must split into {heads} heads of equal width")
         self.heads, self.naive = heads, naive
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)

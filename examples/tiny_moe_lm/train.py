@@ -3,9 +3,9 @@
     python examples/tiny_moe_lm/train.py [--steps 50] [--dtype bfloat16] [--device cuda]
     opforge profile -- python examples/tiny_moe_lm/train.py --steps 5     # profiled
 
-`opforge demo` trains the same model with the anomaly monitor and a profiled window and
-writes a report; this script is the bare loop (`opforge.demo.train`), e.g. to run under
-`opforge profile`.
+`opforge demo` trains the same model and writes a report with a profiled window; this
+script is the same loop (`opforge.demo.train`, the anomaly monitor included: a profile of
+it shows the monitor's hooks) printed step by step, e.g. to run under `opforge profile`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main() -> int:
     for size in MODEL_SIZES:
         parser.add_argument(f"--{size}", type=int, default=None, help="model size")
     args = parser.parse_args()
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
     model = {size: getattr(args, size) for size in MODEL_SIZES
              if getattr(args, size) is not None}
     config = RunConfig("train", args.dtype, loss_scaling=args.dtype == "float16",

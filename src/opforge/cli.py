@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -440,6 +440,48 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (else a usage error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return value
+    return parse
+
+
+def _demo_problem(args: argparse.Namespace) -> str | None:
+    """What makes a demo command fail before it trains, in words (``None``: nothing): a
+    device this machine lacks, a model the sizes cannot build, an output that cannot be
+    written."""
+    import torch
+
+    from opforge.demo import load_example
+
+    try:
+        device = torch.device(args.device) if args.device else None
+    except RuntimeError as error:
+        return f"--device {args.device}: {error}"
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device on this machine"
+    if device is not None and device.type not in ("cpu", "cuda"):
+        return f"--device {args.device}: the demo runs on cpu or cuda"
+    try:
+        with torch.device("meta"):
+            load_example().TinyMoELM(64, max_seq=16, **(args.model or {}))
+    except (ValueError, AssertionError, RuntimeError) as error:
+        return f"--model {args.model}: {error}"
+    writable = [Path(args.out)] + ([Path(args.doc).parent] if args.study and args.doc else [])
+    for path in writable:
+        existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            return f"{path}: not a writable directory"
+    return None
+
+
 def _model_sizes(text: str) -> dict[str, int]:
     """``dim=64,layers=1`` as a dict (argparse type: a malformed item is a usage error)."""
     from opforge.demo.training import MODEL_SIZES
@@ -460,6 +502,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from opforge import demo
 
+    problem = _demo_problem(args)
+    if problem is not None:
+        return _error(f"opforge demo: {problem}")
     model = args.model or {}
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn(), TextColumn("loss {task.fields[loss]}"))
@@ -571,18 +616,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the tiny MoE language model with the monitor "
                                        "and profiler on; write reports/index.html")
     demo.add_argument("--out", default="reports", help="report directory (default reports)")
-    demo.add_argument("--steps", type=int, default=400)
-    demo.add_argument("--batch", type=int, default=32)
+    demo.add_argument("--steps", type=_count(1), default=400)
+    demo.add_argument("--batch", type=_count(1), default=32)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
     demo.add_argument("--model", default=None, type=_model_sizes,
                       help="model sizes, e.g. dim=64,layers=1,heads=2,hidden=64,experts=4,k=2")
-    demo.add_argument("--profile-from", type=int, default=10, help="first profiled step")
-    demo.add_argument("--profile-steps", type=int, default=3, help="steps profiled")
+    demo.add_argument("--profile-from", type=_count(0), default=10,
+                      help="first profiled step, from 0 (past the last step: no profile)")
+    demo.add_argument("--profile-steps", type=_count(1), default=3, help="steps profiled")
     demo.add_argument("--study", action="store_true",
                       help="the precision study instead: five precision settings")
-    demo.add_argument("--study-steps", type=int, default=400)
-    demo.add_argument("--dump-every", type=int, default=10,
+    demo.add_argument("--study-steps", type=_count(1), default=400)
+    demo.add_argument("--dump-every", type=_count(1), default=10,
                       help="steps between the study's statistics dumps")
     demo.add_argument("--doc", default=None,
                       help="also write the study's Markdown here (docs/precision-study.md)")

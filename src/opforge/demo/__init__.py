@@ -44,7 +44,8 @@ def run_demo(out_dir: str | Path = "reports", *, steps: int = 400, batch: int = 
             ``monitor.jsonl`` when it alerts) go.
         steps, batch, dtype, model: the run (`RunConfig`); float16 adds loss scaling.
         device: default CUDA when available, else the CPU.
-        profile_steps: ``(first step, count)`` profiled.
+        profile_steps: ``(first step, count)`` profiled (steps from 0); a window that
+            starts after the last step profiles nothing.
         sample_chars: characters generated for the report.
         certificate: the precision certificate summarised (default: the committed one).
 
@@ -54,9 +55,11 @@ def run_demo(out_dir: str | Path = "reports", *, steps: int = 400, batch: int = 
     out = Path(out_dir)
     config = RunConfig("demo", dtype, loss_scaling=dtype == "float16", steps=steps,
                        batch=batch, model=dict(model or {}))
+    # The log is this run's alerts: a previous run's would read as this one's.
+    (out / "monitor.jsonl").unlink(missing_ok=True)
     run = train(config, device=resolve_device(device), monitor_log=out / "monitor.jsonl",
-                profile_dir=out / "profile", profile_steps=profile_steps,
-                sample_chars=sample_chars, on_step=on_step)
+                profile_dir=out / "profile" if profile_steps[0] < steps else None,
+                profile_steps=profile_steps, sample_chars=sample_chars, on_step=on_step)
     path = certificate or default_certificate()
     parsed = read_certificate(path) if path.exists() else None
     return run, write_index(run, out, parsed, path if parsed else None)

@@ -37,18 +37,20 @@ def plot_losses(runs: Sequence[RunResult], path: Path, title: str) -> Path:
     top = axes[0][0]
     reference = _moving_average(runs[0].losses)
     for run in runs:
-        steps = list(range(1, len(run.losses) + 1))
+        # Steps are numbered from 0, as the monitor's alerts, the dumps and the profile
+        # number them; a validation point sits at the step it followed.
+        steps = list(range(len(run.losses)))
         line, = top.plot(steps, run.losses, alpha=0.25, linewidth=0.8)
         colour = line.get_color()
         smooth = _moving_average(run.losses)
         top.plot(steps, smooth, color=colour, label=f"{run.config.name} (train)")
         if run.val_losses:
-            top.plot([s for s, _ in run.val_losses], [v for _, v in run.val_losses], "o",
+            top.plot([s - 1 for s, _ in run.val_losses], [v for _, v in run.val_losses], "o",
                      color=colour, markersize=4)
         if run.first_nonfinite is not None:
             last = next((v for v in reversed(run.losses[:run.first_nonfinite])
                          if math.isfinite(v)), run.losses[0])
-            top.plot([run.first_nonfinite + 1], [last], "x", color=colour, markersize=10,
+            top.plot([run.first_nonfinite], [last], "x", color=colour, markersize=10,
                      markeredgewidth=2, label=f"{run.config.name}: loss non-finite")
         if panels == 2 and run is not runs[0]:
             axes[1][0].plot(steps, [a - b for a, b in zip(smooth, reference)], color=colour,

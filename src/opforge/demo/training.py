@@ -189,7 +189,11 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
     losses: list[float] = []
     scales: list[float] = []
     val: list[tuple[int, float]] = []
-    skipped = 0
+    # The steps the optimizer took (a loss-scaled step with Inf/NaN gradients is skipped;
+    # counting the scale's decreases misses the skips once the scale has reached 0).
+    taken = [0]
+    optimizer.register_step_post_hook(lambda *args: taken.__setitem__(0, taken[0] + 1))
+    load = None
     with contextlib.ExitStack() as stack:
         monitor = stack.enter_context(Monitor(model, log_path=monitor_log,
                                               detailed=detailed_monitor))
@@ -197,8 +201,8 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
         if profile_dir is not None:
             first, count = profile_steps
             prof = stack.enter_context(profile(
-                profile_dir, schedule=torch.profiler.schedule(wait=max(0, first - 1), warmup=1,
-                                                              active=count, repeat=1)))
+                profile_dir, schedule=torch.profiler.schedule(
+                    wait=max(0, first - 1), warmup=min(1, first), active=count, repeat=1)))
         # A loss-scaled run's gradients are dumped unscaled, to compare with float32's.
         dumper = (stack.enter_context(dump(
             model, dump_dir, steps=list(dump_steps),
@@ -215,8 +219,6 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
             monitor.step(loss_scale=scale if config.loss_scaling else None)
             scaler.step(optimizer)
             scaler.update()
-            if config.loss_scaling and scaler.get_scale() < scale:
-                skipped += 1
             value = float(loss.detach())
             losses.append(value)
             scales.append(scale)
@@ -224,12 +226,18 @@ def train(config: RunConfig, *, device: torch.device | str | None = None,
                 prof.step()
             if dumper is not None:
                 dumper.step()
+            if step + 1 == config.steps:
+                load = model.expert_load()  # the last training step's, before validation
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                val.append((step + 1, _validation_loss(model, data, config, device, dtype)))
+                # Validation is not a training call: the monitor and the dump skip it.
+                with monitor.paused(), (dumper.paused() if dumper is not None
+                                        else contextlib.nullcontext()):
+                    val.append((step + 1, _validation_loss(model, data, config, device,
+                                                           dtype)))
             if on_step is not None:
                 on_step(step, value)
         seconds = time.perf_counter() - start
-    load = model.expert_load()  # the last training step's, before generation routes more
+    skipped = config.steps - taken[0]
     sample = ""
     if sample_chars:
         model.eval()

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from opforge.precision.metrics import Metrics, compare_tensors
-from opforge.precision.monitor import _rank, _tensors, hook_modules
+from opforge.precision.monitor import Pausable, _rank, _tensors, hook_modules
 from opforge.precision.standards import THRESHOLDS
 
 logger = logging.getLogger("opforge")
@@ -87,7 +87,7 @@ def _step_statistics(row: Sequence[float]) -> dict[str, float]:
             "nan": int(has_nan), "inf": int(has_inf)}
 
 
-class Dump:
+class Dump(Pausable):
     """Context manager that records a model's tensors step by step (see the module
     docstring). Use `dump` to create one.
 

@@ -28,11 +28,12 @@ carries the rank. Hooks never change a value and never raise into the training l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,23 @@ class _Record:
         return (self.module, self.graph, self.call, self.phase, self.io, self.index)
 
 
-class Monitor:
+class Pausable:
+    """A recorder whose hooks record only while ``_active``: `paused` stops them for a
+    block (a validation pass between training steps, which is not a training call)."""
+
+    _active: bool
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside the block; the calls in it do not count."""
+        active, self._active = self._active, False
+        try:
+            yield
+        finally:
+            self._active = active
+
+
+class Monitor(Pausable):
     """Context manager that watches a model's activations and gradients (see the module
     docstring).
 
