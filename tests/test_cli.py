@@ -185,3 +185,74 @@ def test_profile_refuses_an_unknown_hardware_before_running(tmp_path, capsys):
     assert "error" in captured.out and "unknown hardware profile" in captured.out
     assert "the script ran" not in captured.err and sys.argv is argv
     assert main(["analyse", str(tmp_path), "--hardware", "nope"]) == 2
+
+
+def test_verify_counts_a_repeated_name_once_and_a_skip_as_no_success(monkeypatch, capsys):
+    from opforge.precision import verify as verify_module
+
+    assert main(["verify", "sigmoid", "sigmoid", "--dtype", "float32", "--dtype", "float32",
+                 "--backend", "torch", "--cases", "samples", "--quiet"]) == 0
+    assert "5 passed" in capsys.readouterr().out
+    monkeypatch.setattr(verify_module, "backend_refusal",
+                        lambda backend, device: "refused for this test")
+    assert main(["verify", "sigmoid", "--dtype", "float32", "--backend", "triton",
+                 "--cases", "samples", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "0 failed, 5 skipped" in out and "refused for this test" in out
+    assert "nan" not in out
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    (["verify", "sigmoid", "--device", "meta"], "holds no data"),
+    (["verify", "sigmoid", "--certificate", "{tmp}/cert.png"], "name the Markdown file"),
+    (["verify", "sigmoid", "--report", "{tmp}/file/report"], "cannot be a directory"),
+    (["compile-check", "sigmoid", "--target", "rocm"], "cuda:"),
+    (["bench", "sigmoid", "--device", "bogus"], "not usable here"),
+    (["bench", "sigmoid", "--out", "{tmp}/file"], "cannot be a directory"),
+    (["profile", "--out", "{tmp}/file", "--", "python", "{tmp}/script.py"],
+     "cannot be a directory"),
+    (["profile", "--out", "{tmp}/p", "--", "python", "-m", "no_such_module_here"],
+     "no module named"),
+    (["verify", "no_such_op", "another"], "no_such_op"),
+])
+def test_bad_arguments_exit_2_with_one_line_before_any_work(arguments, fragment, tmp_path,
+                                                            monkeypatch, capsys):
+    from opforge.precision import verify as verify_module
+
+    (tmp_path / "file").write_text("")
+    (tmp_path / "script.py").write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.setattr(verify_module, "verify", lambda *a, **k: pytest.fail("cases ran"))
+    assert main([a.format(tmp=tmp_path) for a in arguments]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("error:") and fragment in out and "\n" not in out, out
+
+
+@pytest.mark.parametrize("arguments", [["verify", "--seed", str(2**64)],
+                                       ["analyse", ".", "--top", "0"]])
+def test_out_of_range_numbers_are_usage_errors(arguments, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(arguments)
+    assert exit_.value.code == 2 and "is not an integer" in capsys.readouterr().err
+
+
+def test_doctor_reports_a_bad_backend_setting_and_what_cpu_tensors_get(monkeypatch, capsys):
+    monkeypatch.setenv("OPFORGE_BACKEND", "bogus")
+    assert main(["doctor"]) == 0
+    assert "invalid" in capsys.readouterr().out
+    monkeypatch.setenv("OPFORGE_BACKEND", "triton")
+    monkeypatch.setattr("opforge.core.backends.interpreter_enabled", lambda: False)
+    assert main(["doctor"]) == 0
+    assert "refused: CPU tensors need TRITON_INTERPRET=1" in capsys.readouterr().out
+
+
+def test_cpu_verification_restarts_with_the_interpreter_also_beside_a_gpu(monkeypatch):
+    from opforge import cli
+
+    started = []
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cli, "_accelerator_present", lambda: True)
+    monkeypatch.setattr(cli.os, "execv", lambda *args: started.append(args))
+    cli._ensure_interpreter(["torch", "triton"], None)
+    assert not started  # the accelerator runs the kernels
+    cli._ensure_interpreter(["torch", "triton"], "cpu")
+    assert started and os.environ["TRITON_INTERPRET"] == "1"

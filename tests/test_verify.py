@@ -4,6 +4,8 @@ torch's operator, known limitations, and the committed precision certificate."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import re
 from pathlib import Path
 
@@ -13,13 +15,17 @@ import torch
 import opforge
 from opforge.core.opdef import KnownLimitation
 from opforge.precision.cases import KINDS
-from opforge.precision.standards import CATEGORIES, LEVELS
+from opforge.precision.metrics import compare_tensors
+from opforge.precision.standards import CATEGORIES, LEVELS, judge
 from opforge.precision.verify import (
     LONG_ROWS_SHAPE,
     SWEEP_SHAPES,
+    read_certificate,
     rounded_range,
+    summarize,
     verification_cases,
     verify,
+    write_report,
 )
 
 CERTIFICATE = Path(__file__).resolve().parents[1] / "docs" / "precision-certificate.md"
@@ -143,6 +149,73 @@ def test_the_committed_certificate_is_current_and_complete():
         for limitation in spec.known_limitations:
             assert limitation.reason in text
     assert CERTIFICATE.with_suffix(".png").exists()
+    # Each known case is attributed to the one limitation that decided it.
+    known_by_op: dict[str, int] = {}
+    for row in read_certificate(CERTIFICATE).rows:
+        known_by_op[row["op"]] = known_by_op.get(row["op"], 0) + int(row["known"])
+    attributed: dict[str, int] = {}
+    for op, count in re.findall(r"^- \*\*(\w+)\*\* .* (\d+) case\(s\) here", text, re.M):
+        attributed[op] = attributed.get(op, 0) + int(count)
+    assert {op: n for op, n in attributed.items() if n} == {
+        op: n for op, n in known_by_op.items() if n}
+
+
+def test_a_sweep_case_has_the_same_inputs_in_any_selection():
+    op = opforge.get_op("sigmoid")
+    alone = verification_cases(op, torch.float32, case_sets=("sweep",))
+    together = verification_cases(op, torch.float32, case_sets=("samples", "sweep"))
+    by_name = {case.name: case for case in together}
+    assert alone and all(torch.equal(case.inputs[0], by_name[case.name].inputs[0])
+                         for case in alone)
+    other = verification_cases(op, torch.float32, seed=1, case_sets=("sweep",))
+    assert not torch.equal(other[0].inputs[0], alone[0].inputs[0])
+
+
+def test_a_failing_output_of_several_is_named(monkeypatch):
+    """Reasons and the worst element say which output missed: rstd here."""
+    op = opforge.get_op("rms_norm")
+    launch = op.launchers["triton"]
+
+    def wrong_rstd(plan, inputs, outputs, workspace):
+        launch(plan, inputs, outputs, workspace)
+        outputs[1].mul_(1.01)
+
+    monkeypatch.setitem(op.launchers, "triton", wrong_rstd)
+    results = verify([op], [torch.float32], ["triton"], case_sets=("samples",))
+    failed = [r for r in results if r.status == "fail"]
+    assert failed and all(reason.endswith("[rstd]") for r in failed for reason in r.reasons)
+    assert all(" of rstd:" in r.detail for r in failed)
+
+
+def test_an_all_zero_golden_tolerates_a_negligible_error():
+    golden = torch.zeros(64, dtype=torch.float64)
+    ours = torch.zeros(64)
+    ours[0] = 1e-40
+    verdict = judge(compare_tensors(ours, golden), torch.float32, "benchmark_ratio",
+                    peer=compare_tensors(torch.zeros(64), golden), level="L2")
+    assert verdict.status == "pass", verdict.reasons
+    ours[0] = 1e-3
+    verdict = judge(compare_tensors(ours, golden), torch.float32, "benchmark_ratio",
+                    peer=compare_tensors(torch.zeros(64), golden), level="L2")
+    assert verdict.status != "pass"
+
+
+def test_skipped_cases_are_not_figures_and_the_json_is_strict(tmp_path, monkeypatch):
+    from opforge.precision import verify as verify_module
+
+    monkeypatch.setattr(verify_module, "backend_refusal",
+                        lambda backend, device: "refused for this test" if backend == "triton"
+                        else None)
+    op = opforge.get_op("softmax")
+    results = verify([op], [torch.float32], ["torch", "triton"], case_sets=("samples",))
+    rows = {row["backend"]: row for row in summarize(results)}
+    assert rows["triton"]["status"] == "skip" and rows["triton"]["category"] == "benchmark_ratio"
+    assert math.isnan(rows["triton"]["max_rel"]) and not math.isnan(rows["torch"]["max_rel"])
+    write_report(results, tmp_path, [op])
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    json.loads((tmp_path / "verify.json").read_text(), parse_constant=refuse)
 
 
 @pytest.mark.parametrize("device", ["cuda:99", "nosuchdevice"])

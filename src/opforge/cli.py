@@ -23,11 +23,13 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
 
 
-def _ensure_interpreter(backends: Sequence[str]) -> None:
-    """Without an accelerator, Triton kernels run in Triton's interpreter, which must be
-    switched on before the kernels are defined: re-run this command with it on."""
-    if ("triton" in backends and os.environ.get("TRITON_INTERPRET") is None
-            and not _accelerator_present()):
+def _ensure_interpreter(backends: Sequence[str], device: str | None) -> None:
+    """Triton kernels on CPU tensors (no accelerator, or ``--device cpu``) run in
+    Triton's interpreter, which must be switched on before the kernels are defined:
+    re-run this command with it on. (``TRITON_INTERPRET=0`` set by the user is left
+    alone: the Triton cases are then reported as skipped.)"""
+    on_cpu = device == "cpu" or (device is None and not _accelerator_present())
+    if "triton" in backends and os.environ.get("TRITON_INTERPRET") is None and on_cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
 
@@ -63,6 +65,53 @@ def _error(message: str) -> int:
     return 2
 
 
+def _figure(value: object) -> str:
+    """A measured error, or ``-`` for none (every case skipped, no peer)."""
+    number = float(value)
+    return "-" if number != number else f"{number:.3g}"
+
+
+def _device_problem(device: str) -> str | None:
+    """Why ``device`` cannot run opforge's kernels here, in words (None: it can)."""
+    import torch
+
+    from opforge.core.backends import ACCELERATOR_TYPES
+
+    try:
+        kind = torch.device(device).type
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch's words for a missing device
+        return f"device {device!r} is not usable here: {str(error).splitlines()[0]}"
+    if kind not in ("cpu", *ACCELERATOR_TYPES):
+        return f"device {device!r} holds no data opforge can compute on"
+    return None
+
+
+def _writable_directory(path: Path) -> str | None:
+    """Create ``path`` (a directory) if needed; why that failed, or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"{path}: cannot be a directory here ({error.strerror or error})"
+    if not os.access(path, os.W_OK):
+        return f"{path}: not writable"
+    return None
+
+
+def _verify_outputs_problem(report: str | None, certificate: str | None) -> str | None:
+    """Checked before the cases run (they take minutes): the report directory and the
+    certificate's, and the certificate's name (Markdown; its plot is the .png twin)."""
+    if certificate is not None and Path(certificate).suffix != ".md":
+        return (f"--certificate {certificate}: name the Markdown file (.md); its plot is "
+                "written next to it as .png")
+    for directory in ([Path(report or "reports/verify")] if report or certificate else []) + (
+            [Path(certificate).parent] if certificate else []):
+        problem = _writable_directory(directory)
+        if problem is not None:
+            return problem
+    return None
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -71,13 +120,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from opforge.precision.verify import DTYPES, summarize, verify, write_report
 
     backends = ["torch", "triton"] if args.backend == "all" else [args.backend]
-    ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
-    dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else list(DTYPES)
+    # A name or dtype given twice is verified once.
+    ops = ([opforge.get_op(name) for name in dict.fromkeys(args.ops)] if args.ops
+           else opforge.list_ops())
+    dtypes = ([getattr(torch, d) for d in dict.fromkeys(args.dtype)] if args.dtype
+              else list(DTYPES))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as error:  # torch's words for a missing device
-        return _error(f"device {device!r} is not usable here: {str(error).splitlines()[0]}")
+    problem = _device_problem(device)
+    if problem is not None:
+        return _error(problem)
+    problem = _verify_outputs_problem(args.report, args.certificate)
+    if problem is not None:
+        return _error(problem)
     case_sets = ["samples", "sweep"] if args.cases == "all" else [args.cases]
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -113,8 +167,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                       str(row["category"]), str(row["cases"]), str(row["pass"]),
                       str(row["warning"]), str(row["known"]),
                       str(int(row["fail"]) + int(row["error"])),
-                      f"{row['max_rel']:.3g} / {row['peer_max_rel']:.3g}",
-                      f"{row['max_eps']:.3g} / {row['peer_max_eps']:.3g}",
+                      f"{_figure(row['max_rel'])} / {_figure(row['peer_max_rel'])}",
+                      f"{_figure(row['max_eps'])} / {_figure(row['peer_max_eps'])}",
                       styles[str(row["status"])])
     console.print(table)
     for r in results:
@@ -130,11 +184,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
                             case_sets, certificate=args.certificate)
         console.print(f"report: {path}" + (f", certificate: {args.certificate}"
                                            if args.certificate else ""))
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "known")}
+    counts = {s: sum(r.status == s for r in results)
+              for s in ("pass", "warning", "known", "skip")}
     failed = sum(r.status in ("fail", "error") for r in results)
     console.print(f"{counts['pass']} passed, {counts['warning']} warnings, {counts['known']} "
-                  f"known limitations, {failed} failed")
-    return 1 if failed else 0
+                  f"known limitations, {failed} failed, {counts['skip']} skipped")
+    # A case that could not run was not verified: a run that skipped some is no success.
+    return 1 if failed or counts["skip"] else 0
+
+
+def _backend_rows(backends: object) -> list[tuple[str, str]]:
+    """The backend setting and what each kind of tensor gets under it (the doctor's
+    rows); a bad ``OPFORGE_BACKEND`` is reported, not raised."""
+    import torch
+
+    try:
+        setting = backends.requested_backend()
+    except ValueError as error:
+        return [("backend setting", f"invalid: {error}")]
+    cpu = "torch"
+    if setting == "triton":
+        refusal = backends._triton_refusal(torch.device("cpu"))
+        cpu = "triton" if refusal is None else f"triton, refused: {refusal}"
+    return [("backend setting", setting), ("backend for cpu tensors", cpu),
+            ("backend for accelerator tensors", "torch" if setting == "torch" else "triton")]
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -160,11 +233,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("torch", torch.__version__),
         ("triton", triton_version),
         ("devices", ", ".join(devices)),
-        ("backend setting", backends.requested_backend()),
-        ("backend for cpu tensors", "triton" if backends.requested_backend() == "triton"
-         else "torch"),
-        ("backend for accelerator tensors",
-         "torch" if backends.requested_backend() == "torch" else "triton"),
+        *_backend_rows(backends),
         ("Triton interpreter (TRITON_INTERPRET)", str(backends.interpreter_enabled())),
         (f"hardware profile ({device})", f"{profile.name} ({profile.source})"),
         ("  memory bandwidth", f"{profile.memory_bandwidth / 1e9:.1f} GB/s"),
@@ -188,7 +257,10 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     ops = [opforge.get_op(name) for name in args.ops] if args.ops else opforge.list_ops()
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else [
         torch.float32, torch.float16, torch.bfloat16]
-    target, hardware = parse_target(args.target)
+    try:
+        target, hardware = parse_target(args.target)
+    except ValueError as error:
+        return _error(str(error))
     results = compile_variants(record_variants(ops, dtypes, hardware), target)
     table = Table(title=f"opforge compile-check for {args.target}, tiled for {hardware.name} "
                         "(no device needed)")
@@ -255,8 +327,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     console.print(table)
     if args.plot:
         plot = Path(args.plot)
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_errors(results, plot)
+        plot = plot if plot.suffix else plot.with_suffix(".png")  # what matplotlib writes
+        try:
+            plot.parent.mkdir(parents=True, exist_ok=True)
+            plot_errors(results, plot)
+        except OSError as error:  # exit 1 means "diverged": a bad path is bad input
+            return _error(f"--plot {plot}: {error.strerror or error}")
         console.print(f"plot: {plot}")
     if first is None:
         console.print(f"no divergence in {len(compared)} step(s): the runs agree within the "
@@ -299,6 +375,20 @@ def _is_python_source(path: Path) -> bool:
     return True
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` would find the module (the current directory first, as
+    ``-m`` puts it on the path)."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package of a dotted name
+        return False
+    finally:
+        sys.path.pop(0)
+
+
 def _script(command: Sequence[str]) -> tuple[str, str, list[str]]:
     """(``"path"`` or ``"module"``, target, argv) of ``[python] script.py args``,
     ``[python] -m module args`` or ``command args`` (a Python console script found on
@@ -319,6 +409,8 @@ def _script(command: Sequence[str]) -> tuple[str, str, list[str]]:
     if words[0] == "-m":
         if len(words) < 2:
             raise ValueError("-m needs a module name")
+        if not _module_exists(words[1]):
+            raise ValueError(f"no module named {words[1]!r}")
         return "module", words[1], [words[1], *words[2:]]
     if Path(words[0]).is_file():
         return "path", words[0], words
@@ -353,6 +445,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         kind, target, argv = _script(args.script)
     except ValueError as error:
         return _error(f"opforge profile: {error}")
+    problem = _writable_directory(Path(args.out))
+    if problem is not None:
+        return _error(f"opforge profile: --out {problem}")
     # A bad --hardware is refused here, before the script runs.
     session = opforge.profile(args.out, with_stack=args.with_stack,
                               profile_memory=args.memory, hardware=args.hardware)
@@ -402,6 +497,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from opforge.profiler import bench
 
+    problem = (_device_problem(args.device) if args.device else None) or \
+        _writable_directory(Path(args.out))
+    if problem is not None:
+        return _error(problem)
     try:
         results, files = bench.run(args.ops or None, device=args.device,
                                    dtype=getattr(torch, args.dtype), out_dir=args.out,
@@ -440,15 +539,18 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum`` (else a usage error)."""
+def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (and at most ``maximum``),
+    else a usage error."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an integer >= {minimum}"
+                + (f" and <= {maximum}" if maximum is not None else ""))
         return value
     return parse
 
@@ -557,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype to check (repeatable; default: all three)")
     verify.add_argument("--backend", default="all", choices=["all", "torch", "triton"])
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
-    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--seed", type=_count(0, 2**63 - 1), default=0)
     verify.add_argument("--cases", default="all", choices=["all", "samples", "sweep"],
                         help="the operators' own samples, the precision.cases sweep, or both")
     verify.add_argument("--report", default=None,
@@ -599,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyse.add_argument("directory")
     analyse.add_argument("--hardware", default=None,
                          help="re-judge against this hardware profile")
-    analyse.add_argument("--top", type=int, default=15, help="kernels to list")
+    analyse.add_argument("--top", type=_count(1), default=15, help="kernels to list")
     bench = sub.add_parser("bench", help="operators against torch eager, torch.compile, "
                                          "Liger-Kernel over a sweep of sizes")
     bench.add_argument("ops", nargs="*", help="operator names (default: all with a sweep)")
@@ -639,8 +741,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "verify" and argv is None:
-        _ensure_interpreter(["torch", "triton"] if args.backend == "all" else [args.backend])
-    if args.command == "compile-check" and os.environ.get("TRITON_INTERPRET", "0") != "0":
+        _ensure_interpreter(["torch", "triton"] if args.backend == "all" else [args.backend],
+                            args.device)
+    if args.command == "profile" and argv is None:
+        # A profiled opforge command (verify) cannot restart itself with the interpreter
+        # on without ending the profile: the profile command starts with it on (CPU
+        # tensors still go to the torch backend unless a backend is chosen).
+        _ensure_interpreter(["triton"], None)
+    if (args.command == "compile-check" and argv is None
+            and os.environ.get("TRITON_INTERPRET", "0") != "0"):
         # Compiling needs real JITFunctions, which Triton only makes without the interpreter.
         del os.environ["TRITON_INTERPRET"]
         os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
@@ -653,8 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except OpError as error:
-        console.print(f"[red]error:[/] {error}")
-        return 2
+        return _error(str(error))
 
 
 if __name__ == "__main__":

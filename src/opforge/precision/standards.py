@@ -207,8 +207,12 @@ def _benchmark(metrics: Metrics, dtype: torch.dtype, peer: Metrics | None,
     for name, limit in limits.items():
         ours = abs(getattr(metrics, _RATIO_FIELDS[name]))
         theirs = abs(getattr(peer, _RATIO_FIELDS[name]))
+        # The rmse floor is relative to the golden's RMS, and to the small value where the
+        # golden is (nearly) all zero: an error of 1e-40 against zeros is no failure.
         denominator = max(theirs, {"eb": max(floor, noise),
-                                   "rmse": floor * metrics.golden_rms}.get(name, floor))
+                                   "rmse": floor * max(metrics.golden_rms,
+                                                       SMALL_VALUES[dtype][0])
+                                   }.get(name, floor))
         ratio = ours / denominator if denominator else (math.inf if ours else 0.0)
         if ratio > limit:
             reasons.append(f"{name} ratio {ratio:.3g} > {limit:g} "

@@ -27,6 +27,7 @@ import json
 import math
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,8 +124,9 @@ def verification_cases(opdef: OpDef, dtype: torch.dtype, device: torch.device | 
                        kinds: Sequence[str] = KINDS,
                        shapes: Sequence[Sequence[int]] = SWEEP_SHAPES) -> list[Case]:
     """The cases ``opforge verify`` runs for ``opdef`` in ``dtype``: its samples and/or
-    its sweep over ``kinds`` x ``shapes`` (``long_rows`` once, as `LONG_ROWS_SHAPE`), drawn
-    from one seeded generator.
+    its sweep over ``kinds`` x ``shapes`` (``long_rows`` once, as `LONG_ROWS_SHAPE`). The
+    samples draw from a generator seeded with ``seed``, each sweep point (kind, shape) from
+    its own (`sweep_seed`): a case has the same inputs whichever case sets run with it.
 
     Raises:
         ValueError: an unknown case set.
@@ -133,20 +135,25 @@ def verification_cases(opdef: OpDef, dtype: torch.dtype, device: torch.device | 
     if unknown:
         raise ValueError(f"unknown case set(s) {sorted(unknown)}; expected {CASE_SETS}")
     device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
     if "samples" in case_sets:
-        cases += opdef.samples(dtype, device, generator)
+        cases += opdef.samples(dtype, device, torch.Generator().manual_seed(seed))
     if "sweep" in case_sets:
         build = opdef.precision.sweep or default_sweep(opdef)
         pairs = [*sweep([k for k in kinds if k != "long_rows"], shapes),
                  *sweep([k for k in kinds if k == "long_rows"], [LONG_ROWS_SHAPE])]
         for kind, shape in pairs:
+            generator = torch.Generator().manual_seed(sweep_seed(seed, kind, shape))
             for case in build(kind, shape, dtype, device, generator):
                 name = case_name(kind, shape)
                 cases.append(Case(f"{name}_{case.name}" if case.name else name,
                                   case.inputs, case.attrs))
     return cases
+
+
+def sweep_seed(seed: int, kind: str, shape: Sequence[int]) -> int:
+    """The seed of one sweep point: the same on every machine and in every selection."""
+    return (seed * 1_000_003 + zlib.crc32(f"{kind}:{tuple(shape)}".encode())) % 2**63
 
 
 def golden_of(opdef: OpDef, case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -199,17 +206,21 @@ def judge_case(opdef: OpDef, case: Case, backend: str, dtype: torch.dtype) -> Ca
         with torch.no_grad():
             peers = _as_list(spec.peer(*case.inputs, **opdef.bind_attrs(case.attrs)))
     worst: Metrics | None = None
+    worst_name = ""
     severity = 0
-    for out, golden, scale, peer_out in zip(outputs, goldens, scales, peers):
+    names = result_names(opdef)
+    for name, out, golden, scale, peer_out in zip(names, outputs, goldens, scales, peers):
         golden = rounded_range(golden, out.dtype)
         ours = compare_tensors(out, golden, scale=scale)
         theirs = None if peer_out is None else compare_tensors(peer_out, golden, scale=scale)
         category = spec.category if out.dtype.is_floating_point else "binary"
         verdict = judge(ours, out.dtype, category, peer=theirs, level=spec.level)
         severity = max(severity, _SEVERITY[verdict.status])
-        result.reasons += list(verdict.reasons)
+        # Each reason ends with the output it is about (limitations' patterns end in *).
+        result.reasons += [f"{reason} [{name}]" if len(names) > 1 else reason
+                           for reason in verdict.reasons]
         if worst is None or ours.max_eps > worst.max_eps or ours.nan_inf_mismatch:
-            worst = ours
+            worst, worst_name = ours, name
         result.max_abs = max(result.max_abs, ours.max_abs)
         result.max_rel = max(result.max_rel, ours.max_rel)
         result.mean_rel = max(result.mean_rel, ours.mean_rel)
@@ -226,8 +237,9 @@ def judge_case(opdef: OpDef, case: Case, backend: str, dtype: torch.dtype) -> Ca
             result.status, result.detail = "known", known.reason
         elif worst is not None and worst.worst:
             element = worst.worst[0]
-            result.detail = (f"worst element {element.index}: {element.actual!r} vs golden "
-                             f"{element.golden!r}")
+            result.detail = (f"worst element {element.index}"
+                             + (f" of {worst_name}" if len(names) > 1 else "")
+                             + f": {element.actual!r} vs golden {element.golden!r}")
     return result
 
 
@@ -266,7 +278,9 @@ def verify(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype] = DTYPES,
                 for case in cases:
                     if refusal:
                         result = CaseResult(opdef.name, case.name, backend, dtype_name(dtype),
-                                            "skip", detail=refusal)
+                                            "skip", category=opdef.precision.category,
+                                            detail=refusal, max_rel=math.nan,
+                                            max_eps=math.nan)
                     else:
                         result = _guarded(opdef, case, backend, dtype)
                     results.append(result)
@@ -295,8 +309,8 @@ def summarize(results: Sequence[CaseResult]) -> list[dict[str, object]]:
     for r in results:
         row = rows.setdefault((r.op, r.backend, r.dtype), {
             "op": r.op, "backend": r.backend, "dtype": r.dtype, "category": r.category,
-            "cases": 0, **{status: 0 for status in STATUSES}, "max_rel": 0.0,
-            "peer_max_rel": math.nan, "max_eps": 0.0, "peer_max_eps": math.nan,
+            "cases": 0, **{status: 0 for status in STATUSES}, "max_rel": math.nan,
+            "peer_max_rel": math.nan, "max_eps": math.nan, "peer_max_eps": math.nan,
             "status": "pass", "detail": ""})
         row["cases"] = int(row["cases"]) + 1
         row[r.status] = int(row[r.status]) + 1
@@ -409,8 +423,11 @@ def render_markdown(results: Sequence[CaseResult], meta: dict[str, object],
     known_lines = []
     for opdef in ops:
         for limit in opdef.precision.known_limitations:
+            # The cases this limitation decided: the first that matches, as judge_case
+            # chose it (a case matching two is counted once).
             hits = [r for r in results if r.op == opdef.name and r.status == "known"
-                    and limit.matches(r.case, r.backend, r.dtype, r.reasons)]
+                    and opdef.precision.limitation(r.case, r.backend, r.dtype,
+                                                   r.reasons) is limit]
             known_lines.append(
                 f"- **{opdef.name}** (case `{limit.case}`, backend `{limit.backend}`, dtype "
                 f"`{limit.dtype}`, failures `{' | '.join(limit.patterns)}`): {limit.reason} — "
@@ -474,6 +491,17 @@ def plot_errors(results: Sequence[CaseResult], path: Path | str) -> Path:
     return path
 
 
+def _json_safe(value: object) -> object:
+    """``value`` with every non-finite float as None (JSON has no NaN or Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
 def write_report(results: Sequence[CaseResult], directory: Path | str,
                  ops: Sequence[OpDef] = (), device: str = "cpu", seed: int = 0,
                  case_sets: Sequence[str] = CASE_SETS,
@@ -485,7 +513,8 @@ def write_report(results: Sequence[CaseResult], directory: Path | str,
     directory.mkdir(parents=True, exist_ok=True)
     meta = {**_environment(device), "seed": seed, "case_sets": list(case_sets)}
     (directory / "verify.json").write_text(json.dumps(
-        {"meta": meta, "cases": [asdict(r) for r in results]}, indent=1))
+        _json_safe({"meta": meta, "cases": [asdict(r) for r in results]}), indent=1,
+        allow_nan=False))
     plot = plot_errors(results, directory / "verify.png")
     path = directory / "verify.md"
     path.write_text(render_markdown(results, meta, ops, plot.name))
