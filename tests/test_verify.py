@@ -73,14 +73,14 @@ def test_goldens_beyond_the_range_count_as_inf():
     assert rounded_range(golden, torch.float16)[2] == float("inf")
 
 
-def _planted(monkeypatch, op_name, limitation=None):
-    """Make the operator's Triton path wrong by 1% on every element."""
+def _planted(monkeypatch, op_name, limitation=None, output=0):
+    """Make the operator's Triton path wrong by 1% on every element of one output."""
     op = opforge.get_op(op_name)
     launch = op.launchers["triton"]
 
     def wrong(plan, inputs, outputs, workspace):
         launch(plan, inputs, outputs, workspace)
-        outputs[0].mul_(1.01)
+        outputs[output].mul_(1.01)
 
     monkeypatch.setitem(op.launchers, "triton", wrong)
     if limitation is not None:
@@ -173,14 +173,7 @@ def test_a_sweep_case_has_the_same_inputs_in_any_selection():
 
 def test_a_failing_output_of_several_is_named(monkeypatch):
     """Reasons and the worst element say which output missed: rstd here."""
-    op = opforge.get_op("rms_norm")
-    launch = op.launchers["triton"]
-
-    def wrong_rstd(plan, inputs, outputs, workspace):
-        launch(plan, inputs, outputs, workspace)
-        outputs[1].mul_(1.01)
-
-    monkeypatch.setitem(op.launchers, "triton", wrong_rstd)
+    op = _planted(monkeypatch, "rms_norm", output=1)
     results = verify([op], [torch.float32], ["triton"], case_sets=("samples",))
     failed = [r for r in results if r.status == "fail"]
     assert failed and all(reason.endswith("[rstd]") for r in failed for reason in r.reasons)
