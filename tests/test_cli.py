@@ -41,21 +41,31 @@ def test_verify_writes_a_report(tmp_path, capsys):
     assert certificate.with_suffix(".png").exists()
 
 
-def test_verify_fails_with_non_zero_exit(monkeypatch, capsys):
+def _plant(monkeypatch, op_name: str, output: int = 0) -> None:
+    """Make the operator's Triton path wrong by 1% on every element of one output."""
     import opforge
 
-    op = opforge.get_op("sigmoid")
+    op = opforge.get_op(op_name)
     launch = op.launchers["triton"]
 
     def wrong(plan, inputs, outputs, workspace):
         launch(plan, inputs, outputs, workspace)
-        outputs[0].mul_(1.01)
+        outputs[output].mul_(1.01)
 
     monkeypatch.setitem(op.launchers, "triton", wrong)
+
+
+def test_verify_fails_with_non_zero_exit(monkeypatch, capsys):
+    _plant(monkeypatch, "sigmoid")
     assert main(["verify", "sigmoid", "--backend", "triton", "--dtype", "float32",
                  "--cases", "samples", "--quiet"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "sigmoid / randn_4097 / triton / float32: fail" in out
+    # A reason about one of several outputs keeps its [output] tag on the terminal.
+    _plant(monkeypatch, "rms_norm", output=1)
+    assert main(["verify", "rms_norm", "--backend", "triton", "--dtype", "float32",
+                 "--cases", "samples", "--quiet"]) == 1
+    assert "[rstd]" in capsys.readouterr().out
 
 
 def test_verify_unknown_operator(capsys):

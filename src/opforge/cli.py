@@ -114,6 +114,7 @@ def _verify_outputs_problem(report: str | None, certificate: str | None) -> str 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     import opforge
@@ -175,7 +176,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if r.status in ("fail", "error"):
             reason = "; ".join(r.reasons) or r.detail.splitlines()[0]
             console.print(f"[red]{r.op} / {r.case} / {r.backend} / {r.dtype}: {r.status}: "
-                          f"{reason}")
+                          f"{escape(reason)}")  # a reason names its output in brackets
     for row in rows:
         if row["status"] == "skip":
             console.print(f"[yellow]{row['op']} {row['backend']} skipped: {row['detail']}")

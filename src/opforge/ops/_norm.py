@@ -276,16 +276,18 @@ if triton is not None:
     @triton.jit
     def _grad_block(grad_ptr, x_ptr, weight_ptr, row, offsets, stride_g, stride_x, N, mean,
                     rstd, HAS_WEIGHT: tl.constexpr):
-        """(grad, x_hat, grad * weight) of one block of a row, in float32."""
+        """(grad, x_hat, lifted * grad * weight) of one block of a row, in float32, with
+        ``lifted`` the part of rstd applied first (`_rstd_split`)."""
         mask = offsets < N
         grad = widen(tl.load(grad_ptr + row * stride_g + offsets, mask=mask, other=0.0))
         x = widen(tl.load(x_ptr + row * stride_x + offsets, mask=mask, other=0.0))
         x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        lifted = _rstd_split(rstd)[0]
         if HAS_WEIGHT:
-            return grad, x_hat, grad * widen(tl.load(weight_ptr + offsets, mask=mask,
-                                                     other=0.0))
+            return grad, x_hat, lifted * grad * widen(tl.load(weight_ptr + offsets,
+                                                              mask=mask, other=0.0))
         else:
-            return grad, x_hat, grad
+            return grad, x_hat, lifted * grad
 
     @triton.jit
     def _offset_row(mean, rstd):
@@ -293,9 +295,18 @@ if triton is not None:
         return (mean * mean * rstd * rstd > 1.0) & (tl.abs(mean) < float("inf"))
 
     @triton.jit
+    def _rstd_split(rstd):
+        """(applied first, applied last) of ``grad_x = rstd (g - mean(g) - ...)``: a row of
+        tiny values (rstd >= 1) scales g first, which lifts subnormal gradients (few
+        significant bits) before any other rounding; a row of large values scales last,
+        after the terms (of its large gradients) have cancelled."""
+        lift = rstd >= 1.0
+        return tl.where(lift, rstd, 1.0), tl.where(lift, 1.0, rstd)
+
+    @triton.jit
     def _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets, N):
-        """grad_x of one block of a row."""
-        dx = rstd * (grad_w - mean_g - x_hat * mean_gx)
+        """grad_x of one block of a row, from ``grad_w`` (`_grad_block`) and its means."""
+        dx = _rstd_split(rstd)[1] * (grad_w - mean_g - x_hat * mean_gx)
         tl.store(dx_ptr + row * N + offsets, rounded_for(dx, dx_ptr), mask=offsets < N)
 
     @triton.jit
@@ -410,6 +421,13 @@ if triton is not None:
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
+
+
+def rstd_split(rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' form of the kernels' `_rstd_split`: (rstd applied to g first,
+    rstd applied to grad_x last), 1 for the other."""
+    lift = rstd >= 1
+    return torch.where(lift, rstd, 1.0), torch.where(lift, 1.0, rstd)
 
 
 def as_rows(tensor: torch.Tensor, cols: int) -> torch.Tensor:

@@ -387,10 +387,12 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
     if recentre and x.numel():
         offset = (row_mean * row_mean * row_rstd * row_rstd > 1) & row_mean.isfinite()
         x_hat = x_hat - torch.where(offset, x_hat.mean(-1, keepdim=True), 0.0)
-    g = grad_rows * (weight.to(compute_dtype).reshape(1, -1) if weight is not None else 1.0)
+    first, last = norm.rstd_split(row_rstd)  # the kernels' order of the roundings
+    g = first * grad_rows * (weight.to(compute_dtype).reshape(1, -1)
+                             if weight is not None else 1.0)
     if x.numel():
-        grad_x = rstd.to(compute_dtype).reshape(-1, 1) * (
-            g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        grad_x = last * (g - g.mean(-1, keepdim=True)
+                         - x_hat * (g * x_hat).mean(-1, keepdim=True))
     else:
         grad_x = g
     empty = torch.empty(0, dtype=compute_dtype, device=x.device)

@@ -321,8 +321,9 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
     grad, x = grad.to(compute_dtype), x.to(compute_dtype)
     rstd = rstd.to(compute_dtype).unsqueeze(-1)
     x_hat = x * rstd
-    g = grad * (1.0 if weight is None else weight.to(compute_dtype))
-    grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) if x.numel() else g
+    first, last = norm.rstd_split(rstd)  # the kernels' order of the roundings
+    g = first * grad * (1.0 if weight is None else weight.to(compute_dtype))
+    grad_x = last * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) if x.numel() else g
     if weight is None:
         return grad_x, torch.empty(0, dtype=compute_dtype, device=x.device)
     return grad_x, (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
