@@ -31,6 +31,11 @@ Usage (on the GPU machine, from the repository root)::
 
     PYTHONPATH=src python benchmarks/gpu_bench.py [--out DIR] [--sizes 8192x8192,16384x8192]
 
+``--autotune`` runs every opforge call under `opforge.autotuning` (each tiling bucket's
+fitting candidates timed on first use, the tensor-descriptor variants among them) and adds
+the choices, with every candidate's time, to the report; ``--skip-bandwidth`` leaves out
+the memory-bound operators, their forward + backward rows and the graph checks.
+
 Writes ``<out>/gpu_bench_<date>_<time>.{csv,md}`` (``--out`` defaults to ``$OUT``, else
 benchmarks/results) and exits non-zero when a correctness or graph check fails or a
 measurement errors.
@@ -778,6 +783,22 @@ def _print_row(row: Row) -> None:
 # Command line
 
 
+def tuning_markdown(records: Sequence[Any]) -> str:
+    """The autotuning choices of the run: per bucket the chosen tiling and every
+    candidate's time in µs (or the error that excluded it); empty without autotuning."""
+    if not records:
+        return ""
+    lines = ["", "## Autotuning choices", "",
+             "| operator | bucket | source | candidate | µs |", "|---|---|---|---|---:|"]
+    for record in records:
+        bucket = record.key.split(" | ")[1]
+        for candidate, timing in record.timings_us.items():
+            chosen = " **(chosen)**" if candidate == record.choice else ""
+            lines.append(f"| {record.op} | `{bucket}` | {record.source} | "
+                         f"`{candidate}`{chosen} | {timing} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -796,6 +817,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--skip-attention", action="store_true",
                         help="skip the attention, MlaProlog, routing and embedding timings")
+    parser.add_argument("--skip-bandwidth", action="store_true",
+                        help="skip the memory-bound operators and the graph checks")
+    parser.add_argument("--autotune", action="store_true",
+                        help="autotune opforge's tilings on first use; report the choices")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -817,7 +842,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {"sizes": args.sizes, "warmup_ms": args.warmup_ms,
               "rep_ms": args.rep_ms, "copy_mib": args.copy_mib,
               "torch_compile": not args.no_compile, "seed": args.seed,
-              "gelu_approximate": GELU_APPROXIMATE, "alpha": ALPHA}
+              "gelu_approximate": GELU_APPROXIMATE, "alpha": ALPHA,
+              "autotune": args.autotune}
+    opforge.set_autotune(args.autotune)
     rows = [measure_copy(args.copy_mib << 20, device, args.warmup_ms, args.rep_ms)]
     _print_row(rows[0])
     copy_gb_s = rows[0].gb_per_s
@@ -833,7 +860,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gives inductor's best kernel for each size, as a static-shape deployment would get.
     compiled: dict[str, Callable[..., torch.Tensor]] = {}
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    for shape in args.shapes:
+    for shape in [] if args.skip_bandwidth else args.shapes:
         for case in make_cases(shape, dtype, device, generator):
             if not args.no_compile and case.op not in compiled:
                 compiled[case.op] = torch.compile(case.eager_fn, dynamic=False)
@@ -850,11 +877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in matmul_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms):
         _print_row(row)
         rows.append(row)
-    for row in graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
+    for row in [] if args.skip_bandwidth else graph_checks(dtype, device, args.warmup_ms,
+                                                            args.rep_ms):
         _print_row(row)
         rows.append(row)
     env = environment(device)
-    text = markdown(rows, env, config)
+    text = markdown(rows, env, config) + tuning_markdown(opforge.tuning_records())
     flat = [{**env, **config, **asdict(row)} for row in rows]
     csv_path, md_path = write_results(args.out, "gpu_bench", flat, text)
     print(text)

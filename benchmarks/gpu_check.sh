@@ -8,6 +8,11 @@
 #   env            environment (env.txt)
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
 #                  gradient, then the bandwidth kernels)
+#   gpu_bench_tuned  gpu_bench.py --autotune --skip-bandwidth: attention, MlaProlog,
+#                  routing, the embedding gradient and matmul with every tiling bucket
+#                  autotuned on first use (OPFORGE_AUTOTUNE_MAX candidates, default 6
+#                  here; choices kept in $OUT/autotune.json); the report lists each
+#                  candidate's time. Not in the default STEPS: ask for it
 #   attention_precision  the attention precision study up to S = 16384
 #   tests          the matmul, MlaProlog, rope, attention, gating and embedding tests (no
 #                  hypothesis; the newest GPU paths first: split K, tensor descriptors,
@@ -31,7 +36,7 @@
 #                  shapes (~2-3 min; ask for it)
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
-# (seconds; override with BENCH_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
+# (seconds; override with BENCH_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
 # OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
 # not fit every step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the
@@ -94,6 +99,10 @@ record env "$rc" "$start"
 
 step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
   --sizes 8192x8192
+if wanted gpu_bench_tuned; then mkdir -p "$OUT/tuned"; fi
+OPFORGE_AUTOTUNE_CACHE="$OUT/autotune.json" OPFORGE_AUTOTUNE_MAX=${OPFORGE_AUTOTUNE_MAX:-6} \
+  step gpu_bench_tuned "${TUNED_TIMEOUT:-300}" "$PYTHON" benchmarks/gpu_bench.py \
+  --out "$OUT/tuned" --autotune --skip-bandwidth
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
 step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \

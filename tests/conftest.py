@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
 # Python autograd formula: a cache left by an earlier version of the code replays that
 # version's backward graph. Each test run compiles into its own directory.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="opforge-inductor-"))
+# Autotuning choices (when a test turns it on) go to a file of the run's own.
+os.environ.setdefault("OPFORGE_AUTOTUNE_CACHE",
+                      os.path.join(tempfile.mkdtemp(prefix="opforge-autotune-"), "choices.json"))
 
 import pytest
 from hypothesis import HealthCheck, settings

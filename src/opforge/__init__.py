@@ -8,6 +8,7 @@
 Set ``TRITON_INTERPRET=1`` before importing opforge to run the Triton kernels on the CPU.
 """
 
+from opforge.core.autotune import autotuning, set_autotune, tuning_records
 from opforge.core.backends import use_backend
 from opforge.core.errors import (
     AttrError,
@@ -69,6 +70,7 @@ __all__ = [
     "add_rms_norm",
     "attention",
     "attention_backward",
+    "autotuning",
     "broadcast_add",
     "cache_stats",
     "calibrate",
@@ -89,10 +91,12 @@ __all__ = [
     "reduce_sum",
     "rms_norm",
     "rope",
+    "set_autotune",
     "set_plan_cache",
     "set_poison",
     "sigmoid",
     "softmax",
+    "tuning_records",
     "use_backend",
     "use_hardware",
     "workspace_stats",

@@ -211,6 +211,18 @@ def _backend_rows(backends: object) -> list[tuple[str, str]]:
             ("backend for accelerator tensors", "torch" if setting == "torch" else "triton")]
 
 
+def _autotune_rows() -> list[tuple[str, str]]:
+    """Whether plans time their tiling candidates, and where the choices are kept."""
+    from opforge.core import autotune
+
+    path = autotune.cache_path()
+    stored = "none (OPFORGE_AUTOTUNE_CACHE is empty)" if path is None else str(path)
+    if path is not None and path.exists():
+        stored += f" ({autotune.stored_count()} choices)"
+    return [("autotuning (OPFORGE_AUTOTUNE)", str(autotune.autotune_enabled())),
+            ("  choices file", stored)]
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import platform
 
@@ -236,6 +248,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("devices", ", ".join(devices)),
         *_backend_rows(backends),
         ("Triton interpreter (TRITON_INTERPRET)", str(backends.interpreter_enabled())),
+        *_autotune_rows(),
         (f"hardware profile ({device})", f"{profile.name} ({profile.source})"),
         ("  memory bandwidth", f"{profile.memory_bandwidth / 1e9:.1f} GB/s"),
         ("  peak fp32 / bf16", f"{profile.peak(torch.float32) / 1e12:.2f} / "

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from opforge.core import backends, registry
+from opforge.core import autotune, backends, registry
 from opforge.core.errors import (
     TILING_ERROR,
     DeviceError,
@@ -483,10 +483,13 @@ def _freeze(value: Any) -> Any:
     return type(value), value
 
 
-def _choose_tiling(opdef: OpDef, signature: Signature, hardware: HardwareProfile
-                   ) -> Tiling | None:
+def _choose_tiling(opdef: OpDef, signature: Signature, hardware: HardwareProfile,
+                   tune: Callable[[list[Tiling], str], Tiling] | None = None) -> Tiling | None:
+    """The first candidate that fits on chip, or with ``tune`` (autotuning) the one it
+    picks among the fitting ones; cached per bucket."""
     bucketed = bucket_specs(signature.inputs)
-    key = (opdef, tuple(bucketed), tuple(signature.attrs.items()), hardware.name)
+    key = (opdef, tuple(bucketed), tuple(signature.attrs.items()), hardware.name,
+           tune is not None)
     if _caches.enabled:
         with _caches.lock:
             if key in _caches.tilings:
@@ -496,11 +499,34 @@ def _choose_tiling(opdef: OpDef, signature: Signature, hardware: HardwareProfile
             _caches.stats.tiling_misses += 1
     bucketed_out = bucket_specs(signature.outputs)
     candidates = opdef.tiling(bucketed, bucketed_out, signature.attrs, hardware)
-    chosen = next((t for t in candidates
-                   if t.onchip_bytes <= hardware.onchip_limit(t.double_buffered)), None)
+    fitting = [t for t in candidates
+               if t.onchip_bytes <= hardware.onchip_limit(t.double_buffered)]
+    chosen = fitting[0] if fitting else None
+    if tune is not None and len(fitting) > 1:
+        bucket = ", ".join("None" if s is None else str(s) for s in bucketed)
+        attrs = ", ".join(f"{name}={value!r}" for name, value in signature.attrs.items())
+        chosen = tune(fitting, f"({bucket}) {{{attrs}}}")
     if _caches.enabled:
         _caches.put(_caches.tilings, key, chosen)
     return chosen
+
+
+def _tuner(opdef: OpDef, signature: Signature, backend: str, hardware: HardwareProfile,
+           tensors: Sequence[Any]) -> Callable[[list[Tiling], str], Tiling]:
+    """Autotuning's choice among fitting tilings: each candidate's plan runs on
+    ``tensors`` into its own outputs, outside the run observer (a profile shows the call,
+    not its tuning)."""
+    def prepare(tiling: Tiling) -> Callable[[], Any]:
+        candidate = _assemble(opdef, signature, backend, hardware, tiling)
+        inputs = candidate._check_inputs(tensors)
+        outputs = candidate._execute(inputs, None, None)
+        return lambda: candidate._execute(inputs, outputs, None)
+
+    def tune(fitting: list[Tiling], bucket: str) -> Tiling:
+        key = autotune.bucket_key(opdef.name, bucket, signature.device, hardware.name)
+        return autotune.choose(opdef.name, key, fitting, prepare, signature.device)
+
+    return tune
 
 
 def _tiling_refusal(opdef: OpDef, signature: Signature, hardware: HardwareProfile) -> str:
@@ -513,21 +539,8 @@ def _tiling_refusal(opdef: OpDef, signature: Signature, hardware: HardwareProfil
             f"(half when double-buffered): {needs}")
 
 
-def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
-    signature = validate(opdef, tensors, attrs)
-    hardware = profile_for(signature.device)
-    backend = backends.select_backend(opdef, signature.inputs, signature.attrs,
-                                      signature.device)
-    tiling = _choose_tiling(opdef, signature, hardware) if opdef.launchers else None
-    if tiling is None and backend != "torch":
-        reason = _tiling_refusal(opdef, signature, hardware)
-        if backends.requested_backend() == "triton":
-            raise UnsupportedError(reason, op=opdef.name, param="tiling",
-                                   expected="a variant that fits on chip",
-                                   got=", ".join(str(s) for s in signature.inputs if s),
-                                   code=TILING_ERROR)
-        backends.warn_fallback(opdef.name, reason)
-        backend = "torch"
+def _assemble(opdef: OpDef, signature: Signature, backend: str, hardware: HardwareProfile,
+              tiling: Tiling | None) -> Plan:
     grid = (opdef.grid(tiling, signature.inputs, signature.outputs, signature.attrs, hardware)
             if tiling is not None else ())
     workspace = (opdef.workspace(tiling, grid, signature.inputs, signature.outputs,
@@ -537,10 +550,33 @@ def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
     return Plan(opdef, signature, backend, hardware, tiling, grid, workspace, cost)
 
 
+def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
+    signature = validate(opdef, tensors, attrs)
+    hardware = profile_for(signature.device)
+    backend = backends.select_backend(opdef, signature.inputs, signature.attrs,
+                                      signature.device)
+    tune = (_tuner(opdef, signature, backend, hardware, tensors)
+            if backend != "torch" and autotune.autotune_enabled()
+            and autotune.tunable(tensors, bool(opdef.mutated_inputs)) else None)
+    tiling = _choose_tiling(opdef, signature, hardware, tune) if opdef.launchers else None
+    if tiling is None and backend != "torch":
+        reason = _tiling_refusal(opdef, signature, hardware)
+        if backends.requested_backend() == "triton":
+            raise UnsupportedError(reason, op=opdef.name, param="tiling",
+                                   expected="a variant that fits on chip",
+                                   got=", ".join(str(s) for s in signature.inputs if s),
+                                   code=TILING_ERROR)
+        backends.warn_fallback(opdef.name, reason)
+        backend = "torch"
+    return _assemble(opdef, signature, backend, hardware, tiling)
+
+
 def plan(op: str | OpDef, *tensors: torch.Tensor | None, **attrs: Any) -> Plan:
     """Phase one of a call: validate, infer output specs, choose backend and tiling, size
     the workspace. Cached by signature (operator, input shapes/dtypes/devices, attributes,
-    backend setting, hardware profile).
+    backend setting, autotuning setting, hardware profile). With autotuning on
+    (`opforge.core.autotune`), the first plan of a tiling bucket on the Triton backend
+    runs the fitting tilings on ``tensors`` and keeps the fastest.
 
     Args:
         op: an operator name (``"broadcast_add"``) or an `OpDef`.
@@ -564,7 +600,8 @@ def plan(op: str | OpDef, *tensors: torch.Tensor | None, **attrs: Any) -> Plan:
         else:
             described.append(tensor)
     hardware = profile_for(device)
-    key = (opdef, backends.requested_backend(), hardware.name, tuple(described),
+    key = (opdef, backends.requested_backend(), autotune.autotune_enabled(), hardware.name,
+           tuple(described),
            tuple(sorted((k, _freeze(v)) for k, v in attrs.items())) if attrs else ())
     if _caches.enabled:
         try:

@@ -21,7 +21,9 @@ is ever stored. Blocks entirely visible skip the mask; only blocks crossing the 
 diagonal or the sequence end apply it. The tiling's variant ``flash_tma`` reads keys and
 values through on-device tensor descriptors (TMA copies on Hopper and newer; the
 descriptor's bounds replace the masks), ``flash_tma_ws`` also warp-specializes the key
-loop; inputs that descriptors cannot address run the pointer kernel. With grouped-query
+loop; inputs that descriptors cannot address run the pointer kernel. The tiling lists
+these variants on CUDA after the pointer kernel, for autotuning (`opforge.core.autotune`)
+to measure; without it the pointer kernel runs. With grouped-query
 attention and few queries (decoding), the queries of the heads that share a key/value head
 fit one block: the tiling packs them (query-major rows), so that each key block is read
 once per group instead of once per head. When the query blocks of all heads would still
@@ -219,7 +221,10 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
     streamed for dK and dV. On CUDA, the sweep's best per head-dim bucket
     (`CUDA_FORWARD`, `CUDA_BACKWARD`), fewer stages then smaller blocks while the shared
     memory does not fit; on Ascend 64 x 128 (larger blocks suit its cube unit); on the CPU
-    (the interpreter) 64 x 1024. All shrink to the problem, never below 16.
+    (the interpreter) 64 x 1024. All shrink to the problem, never below 16. On CUDA each
+    block level also lists the tensor-descriptor variants (``flash_tma``, and
+    ``flash_tma_ws`` for the forward), after the pointer kernel: taken only when
+    autotuning measures them faster.
 
     GQA packing (forward, option ``pack_gqa``): when the queries of all ``group`` heads
     that share a key/value head fit one query block (decoding), a program holds them
@@ -244,19 +249,28 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
     sides = [_fitted(query_side, sq * (group if pack else 1), sk)]
     if backward:
         sides.append(_fitted(key_side, sk, sq))
+    # Each level of blocks: the pointer kernel first (the choice without autotuning), then
+    # on CUDA the descriptor variants for autotuning to measure (`opforge.core.autotune`).
+    # Triton's warp specialization rejects 4 warps at these blocks: that variant takes 8.
+    variants = [("flash", warps, stage_choices)]
+    if gpu:
+        variants.append(("flash_tma", warps, stage_choices))
+        if not backward:
+            variants.append(("flash_tma_ws", 8, (2,)))
     candidates = []
     while True:
         blocks = {"BLOCK_M": sides[0][0], "BLOCK_N": sides[0][1], "BLOCK_D": block_d,
                   "BLOCK_DV": block_dv}
         if backward:
             blocks.update(BLOCK_K=sides[1][0], BLOCK_Q=sides[1][1])
-        for stages in stage_choices:
-            candidates.append(Tiling(
-                "flash", blocks, _shared_bytes(sides, block_d, block_dv, item, stages,
-                                               backward),
-                double_buffered=False,
-                options={"warps": warps, "stages": stages if gpu else None,
-                         **({"pack_gqa": True} if pack else {})}))
+        for variant, variant_warps, stage_list in variants:
+            for stages in stage_list:
+                candidates.append(Tiling(
+                    variant, blocks, _shared_bytes(sides, block_d, block_dv, item, stages,
+                                                   backward),
+                    double_buffered=False,
+                    options={"warps": variant_warps, "stages": stages if gpu else None,
+                             **({"pack_gqa": True} if pack else {})}))
         if all(block == 16 for side in sides for block in side):
             return candidates
         sides = [(max(16, held // 2), max(16, streamed // 2)) for held, streamed in sides]

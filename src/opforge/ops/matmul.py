@@ -14,8 +14,8 @@ sums to the workspace, and a second kernel adds them in slice order (the same re
 every run) and rounds once to the output dtype. The variants ``tiles_tma`` and
 ``tiles_tma_ws`` read the operand blocks by on-device tensor descriptor (TMA on Hopper or
 newer; 16-bit operands with unit-stride, 16-byte-aligned rows, else the pointer kernel), the
-second with a warp-specialized K loop; `benchmarks/matmul_tuning.py` measures them, the
-tiling does not pick them yet.
+second with a warp-specialized K loop; on CUDA the tiling lists them, with other block
+shapes, after its own choice, for autotuning (`opforge.core.autotune`) to measure.
 
 Under Triton's interpreter the operands are widened to float32 before ``tl.dot`` (it has
 no bf16 dot); compiled, bf16/fp16 operands go to the tensor cores as they are.
@@ -144,7 +144,8 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
             ) -> list[Tiling]:
     """Block sizes from the problem and the device: 128-wide output tiles for large
     problems, narrower ones for skinny M or N, ``BLOCK_K`` 64 for 16-bit inputs (32 for
-    float32); ``stages`` buffers of both operand tiles must fit on chip."""
+    float32); ``stages`` buffers of both operand tiles must fit on chip. On CUDA the
+    alternatives autotuning measures follow (`_tuning_alternatives`)."""
     _, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
     item = inputs[0].itemsize
     block_m = min(128, max(16, next_power_of_2(m)))
@@ -153,12 +154,15 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     gpu = hardware.device_type == "cuda"
     candidates = []
     for stages in ((4, 3, 2) if gpu else (1,)):
-        onchip = stages * (block_m + block_n) * block_k * item + block_m * block_n * 4
+        onchip = (_gpu_shared_bytes((block_m, block_n, block_k), item, stages) if gpu else
+                  (block_m + block_n) * block_k * item + block_m * block_n * 4)
         candidates.append(Tiling(
             "tiles", {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
             onchip, double_buffered=False,
             options={"warps": gpu_warps(block_m * block_n // 2, hardware) if gpu else None,
                      "stages": stages if gpu else None}))
+    if gpu:
+        candidates += _tuning_alternatives(m, k, n, item)
     # Smaller tiles for devices whose on-chip memory holds none of the above.
     while block_m > 16 or block_n > 16:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
@@ -167,6 +171,45 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
             (block_m + block_n) * block_k * item + block_m * block_n * 4,
             double_buffered=False))
     return candidates
+
+
+# CUDA configurations for autotuning to measure after the rule's own (BLOCK_M, BLOCK_N,
+# BLOCK_K, warps, stages): Hopper's two-warpgroup tiles and fewer warps; for products of at
+# most 64 rows (decoding), narrow tiles; then for 16-bit operands the blocks by tensor
+# descriptor, with and without a warp-specialized K loop (benchmarks/matmul_tuning.py
+# sweeps the same configurations).
+WIDE_ALTERNATIVES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+                     (64, 128, 64, 4, 4))
+SKINNY_ALTERNATIVES = ((16, 128, 128, 4, 4), (16, 256, 64, 4, 4))
+DESCRIPTOR_ALTERNATIVES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (16, 128, 128, 4, 4))
+
+
+def _gpu_shared_bytes(blocks: Sequence[int], item: int, stages: int) -> int:
+    """Shared memory of a CUDA tile: ``stages`` buffers of both operand blocks (the float32
+    accumulator lives in registers)."""
+    block_m, block_n, block_k = blocks
+    return stages * (block_m + block_n) * block_k * item
+
+
+def _tuning_alternatives(m: int, k: int, n: int, item: int) -> list[Tiling]:
+    """The alternatives that suit the product, their blocks no larger than its padded
+    dims."""
+    def fitted(dim: int, block: int) -> int:
+        return min(block, max(16, next_power_of_2(dim)))
+
+    shapes = WIDE_ALTERNATIVES + (SKINNY_ALTERNATIVES if m <= 64 else ())
+    configs = [("tiles", *shape) for shape in shapes]
+    if item == 2:
+        configs += [(variant, *shape) for variant in ("tiles_tma", "tiles_tma_ws")
+                    for shape in DESCRIPTOR_ALTERNATIVES if shape[0] > 16 or m <= 64]
+    alternatives = []
+    for variant, block_m, block_n, block_k, warps, stages in configs:
+        blocks = (fitted(m, block_m), fitted(n, block_n), fitted(k, block_k))
+        alternatives.append(Tiling(
+            variant, dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks)),
+            _gpu_shared_bytes(blocks, item, stages), double_buffered=False,
+            options={"warps": warps, "stages": stages}))
+    return alternatives
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
@@ -420,8 +463,9 @@ def _batched(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
             b2.expand(*batch, k, n).reshape(count, k, n))
 
 
-# Variants: (operand blocks by tensor descriptor, warp-specialized K loop). The tiling
-# chooses "tiles"; the descriptor variants are measured by benchmarks/matmul_tuning.py.
+# Variants: (operand blocks by tensor descriptor, warp-specialized K loop). Without
+# autotuning the tiling's first choice is "tiles"; the descriptor variants are among the
+# alternatives autotuning measures.
 VARIANTS = {"tiles": (False, False), "tiles_tma": (True, False), "tiles_tma_ws": (True, True)}
 
 

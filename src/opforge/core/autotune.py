@@ -1,0 +1,262 @@
+"""Measured tiling choice: time the candidates that fit on the call's own tensors, keep the
+fastest.
+
+An operator's tiling lists its candidates in order of preference, and `plan` takes the
+first that fits on chip: block sizes from tables and rules, the same on every device of a
+profile. With autotuning on, the first plan of a tiling bucket (the power-of-two buckets of
+the input shapes, with the attributes and the hardware profile) on the Triton backend runs
+each fitting candidate, up to `max_candidates`, on the tensors of that call, and keeps the
+fastest for the bucket. Candidates that fail to compile or launch (too much shared memory,
+a Triton without warp specialization) are skipped and recorded.
+
+The choice is kept in the plan's tiling cache and in a JSON file keyed by operator, bucket,
+attributes, hardware profile, device name and Triton version, so that a later process on
+the same machine takes it without timing again (a stored choice that is no longer among
+the candidates, after a change of the tiling, is timed again).
+
+Nothing is timed (the first fitting candidate is taken, as without autotuning) when only
+one candidate fits; for an operator that updates an input in place (each timing run would
+write it again); for fake or meta tensors; during CUDA graph capture; and while
+torch.compile traces.
+
+Settings: `set_autotune` / the `autotuning` block (innermost wins, per thread), else
+``OPFORGE_AUTOTUNE`` (``1`` on, default off); ``OPFORGE_AUTOTUNE_CACHE`` the file (default
+``~/.cache/opforge/autotune.json``; empty: no file); ``OPFORGE_AUTOTUNE_MAX`` the number of
+candidates timed (default 12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opforge.core.errors import OpError
+from opforge.core.opdef import Tiling
+
+DEFAULT_MAX_CANDIDATES = 12
+# do_bench budget per candidate (ms): the bucket's first call pays it once per candidate.
+WARMUP_MS, REP_MS = 10, 40
+# Timed runs per candidate off the GPU (the interpreter: a check of the mechanism).
+HOST_RUNS = 3
+
+_state = threading.local()
+_lock = threading.Lock()
+_stored: dict[str, Any] | None = None  # the file's entries, read on first use
+
+
+@dataclass
+class TuningRecord:
+    """One bucket's choice.
+
+    Attributes:
+        op: operator name.
+        key: the bucket (operator, input buckets, attributes, hardware, device, Triton).
+        choice: `describe` of the chosen tiling.
+        timings_us: per candidate (`describe`), its time in µs, or the error that
+            excluded it.
+        source: ``"measured"`` (timed by this process) or ``"file"`` (read from the cache
+            file).
+    """
+
+    op: str
+    key: str
+    choice: str
+    timings_us: dict[str, float | str] = field(default_factory=dict)
+    source: str = "measured"
+
+
+_records: list[TuningRecord] = []
+
+
+def autotune_enabled() -> bool:
+    """Whether plans time their tiling candidates: the innermost `autotuning` block or
+    `set_autotune` of this thread, else ``OPFORGE_AUTOTUNE``."""
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    return os.environ.get("OPFORGE_AUTOTUNE", "0") not in ("", "0")
+
+
+def set_autotune(enabled: bool | None) -> None:
+    """Turn autotuning on or off for this thread (``None``: back to ``OPFORGE_AUTOTUNE``)."""
+    _state.stack = [] if enabled is None else [bool(enabled)]
+
+
+@contextlib.contextmanager
+def autotuning(enabled: bool = True) -> Iterator[None]:
+    """Autotuning on (or off) inside the block, for this thread."""
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(bool(enabled))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def max_candidates() -> int:
+    """Candidates timed per bucket (``OPFORGE_AUTOTUNE_MAX``, default 12)."""
+    text = os.environ.get("OPFORGE_AUTOTUNE_MAX", "")
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_MAX_CANDIDATES
+
+
+def cache_path() -> Path | None:
+    """The choices file (``OPFORGE_AUTOTUNE_CACHE``; ``None`` when set empty)."""
+    text = os.environ.get("OPFORGE_AUTOTUNE_CACHE")
+    if text is None:
+        return Path.home() / ".cache" / "opforge" / "autotune.json"
+    return Path(text) if text else None
+
+
+def tuning_records() -> list[TuningRecord]:
+    """The choices this process made or read, oldest first."""
+    with _lock:
+        return list(_records)
+
+
+def stored_count() -> int:
+    """How many bucket choices the file holds."""
+    with _lock:
+        return len(_read_file())
+
+
+def clear_tuning() -> None:
+    """Forget this process's choices and the file's entries read so far (the file itself
+    stays; delete it to time every bucket again)."""
+    global _stored
+    with _lock:
+        _records.clear()
+        _stored = None
+
+
+def describe(tiling: Tiling) -> str:
+    """A tiling in one line: ``flash BLOCK_M=128 BLOCK_N=64 warps=8 stages=3``."""
+    parts = [tiling.variant, *(f"{name}={value}" for name, value in tiling.blocks.items())]
+    parts += [f"{name}={value}" for name, value in tiling.options.items() if value is not None]
+    return " ".join(parts)
+
+
+def tunable(tensors: Sequence[Any], mutates_inputs: bool) -> bool:
+    """Whether a plan for ``tensors`` may time its candidates now (see the module doc)."""
+    if mutates_inputs or torch.compiler.is_compiling():
+        return False
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not present:
+        return False
+    device = present[0].device
+    if device.type == "meta" or any(type(t) not in (torch.Tensor, torch.nn.Parameter)
+                                    for t in present):
+        return False  # fake tensors and other subclasses: no data to time on
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def bucket_key(op: str, bucket: str, device: torch.device, hardware: str) -> str:
+    """The file's key of one bucket: operator, bucket, hardware profile, device, Triton."""
+    try:
+        import triton
+        version = triton.__version__
+    except ImportError:  # pragma: no cover
+        version = "none"
+    return f"{op} | {bucket} | {hardware} | {_device_name(device)} | triton {version}"
+
+
+def _read_file() -> dict[str, Any]:
+    global _stored
+    if _stored is None:
+        path = cache_path()
+        try:
+            loaded = json.loads(path.read_text()) if path is not None else {}
+        except (OSError, ValueError):
+            loaded = {}  # missing or unreadable: time again, rewrite it
+        _stored = loaded if isinstance(loaded, dict) else {}
+    return _stored
+
+
+def _write_file(key: str, record: TuningRecord) -> None:
+    path = cache_path()
+    entries = _read_file()
+    entries[key] = {"choice": record.choice, "timings_us": record.timings_us}
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(partial, path)  # readers never see half a file
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+def _seconds(run: Callable[[], Any], device: torch.device) -> float:
+    """Median seconds of ``run`` on a GPU (do_bench); off the GPU the best of a few runs."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(run, warmup=WARMUP_MS, rep=REP_MS)) * 1e-3
+    best = math.inf
+    for _ in range(HOST_RUNS):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def choose(op: str, key: str, candidates: Sequence[Tiling],
+           prepare: Callable[[Tiling], Callable[[], Any]], device: torch.device) -> Tiling:
+    """The fastest of ``candidates`` (fitting ones, in preference order; at most
+    `max_candidates` are timed), or the stored choice for ``key``.
+
+    ``prepare(tiling)`` runs the call once with that tiling (compiling its kernels) and
+    returns a function that runs it again. A candidate whose ``prepare`` or run raises is
+    skipped, except for an `OpError`: the inputs themselves are invalid, and that error is
+    raised as every candidate would raise it. When every candidate fails, the first is
+    returned (its error then reaches the caller from the real run)."""
+    distinct = list({describe(t): t for t in reversed(candidates)}.values())[::-1]
+    timed = distinct[:max_candidates()]
+    with _lock:
+        stored = _read_file().get(key)
+    if isinstance(stored, dict):
+        match = next((t for t in candidates if describe(t) == stored.get("choice")), None)
+        if match is not None:
+            with _lock:
+                _records.append(TuningRecord(op, key, describe(match),
+                                             dict(stored.get("timings_us", {})), "file"))
+            return match
+    timings: dict[str, float | str] = {}
+    best, best_seconds = timed[0], math.inf
+    for tiling in timed:
+        name = describe(tiling)
+        try:
+            seconds = _seconds(prepare(tiling), device)
+        except OpError:
+            raise
+        except Exception as error:  # a variant that does not compile or launch here
+            message = str(error).splitlines()[0][:160] if str(error) else ""
+            timings[name] = type(error).__name__ + (f": {message}" if message else "")
+            continue
+        timings[name] = round(seconds * 1e6, 3)
+        if seconds < best_seconds:
+            best, best_seconds = tiling, seconds
+    record = TuningRecord(op, key, describe(best), timings)
+    with _lock:
+        _records.append(record)
+        if best_seconds < math.inf:
+            _write_file(key, record)
+    return best

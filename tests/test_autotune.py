@@ -1,0 +1,300 @@
+"""core/autotune.py: measured tiling choice among the candidates that fit, its file of
+choices, and the calls it must not time. The Triton kernels run in the interpreter; the
+timer is replaced where a test needs a given ranking."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import opforge
+from opforge.core import autotune
+from opforge.core.errors import ShapeError
+from opforge.core.plan import _observer, set_run_observer
+from opforge.ops.mla_prolog import mla_inputs
+
+from .conftest import DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch) -> Iterator[None]:
+    """A choices file of the test's own, no choices or plans left from other tests."""
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.delenv("OPFORGE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("OPFORGE_AUTOTUNE_MAX", raising=False)
+    autotune.clear_tuning()
+    opforge.clear_caches()
+    yield
+    autotune.clear_tuning()
+    autotune.set_autotune(None)
+    opforge.clear_caches()
+
+
+def _operands() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(48, 40, generator=generator).to(DEVICE),
+            torch.randn(40, 24, generator=generator).to(DEVICE))
+
+
+def _candidates(a: torch.Tensor, b: torch.Tensor, op: str = "matmul",
+                **attrs: object) -> list[str]:
+    """The distinct fitting tilings of the inputs' bucket on the current hardware profile,
+    in preference order (the order autotuning times them in)."""
+    from opforge.core.opdef import bucket_specs
+    from opforge.core.plan import validate
+
+    opdef = opforge.get_op(op)
+    signature = validate(opdef, [a, b, *attrs.pop("more", ())], attrs)
+    hardware = opforge.profile_for(a.device)
+    names = [autotune.describe(t)
+             for t in opdef.tiling(bucket_specs(signature.inputs),
+                                   bucket_specs(signature.outputs), signature.attrs, hardware)
+             if t.onchip_bytes <= hardware.onchip_limit(t.double_buffered)]
+    return list(dict.fromkeys(names))
+
+
+def _ranked(monkeypatch, seconds: list[float | Exception]) -> list[int]:
+    """Replace the timer: the n-th candidate timed takes ``seconds[n]`` (or raises it).
+    Returns the list the calls are counted in."""
+    calls: list[int] = []
+
+    def timer(run, device):
+        run()
+        calls.append(1)
+        value = seconds[len(calls) - 1]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    monkeypatch.setattr(autotune, "_seconds", timer)
+    return calls
+
+
+def _assert_product(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    golden = a.double() @ b.double()
+    assert torch.allclose(result.double(), golden, rtol=1e-5, atol=1e-5)
+
+
+def test_autotuning_keeps_the_fastest_candidate_and_its_result_is_right(monkeypatch):
+    a, b = _operands()
+    names = _candidates(a, b)
+    assert len(names) >= 3, names
+    _ranked(monkeypatch, [3e-3, 1e-3, 2e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        plan = opforge.plan("matmul", a, b)
+        _assert_product(plan.run(a, b), a, b)
+    assert autotune.describe(plan.tiling) == names[1]
+    (record,) = opforge.tuning_records()
+    assert (record.op, record.choice, record.source) == ("matmul", names[1], "measured")
+    assert list(record.timings_us) == names[:autotune.max_candidates()]
+    assert record.timings_us[names[1]] == pytest.approx(1e3)
+
+
+def test_without_autotuning_the_first_fitting_candidate_runs_untimed(monkeypatch):
+    a, b = _operands()
+    calls = _ranked(monkeypatch, [1.0] * 20)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("matmul", a, b)
+        _assert_product(plan.run(a, b), a, b)
+    assert autotune.describe(plan.tiling) == _candidates(a, b)[0]
+    assert calls == [] and opforge.tuning_records() == []
+
+
+def test_a_stored_choice_is_reused_by_a_later_process_without_timing(monkeypatch, tmp_path):
+    a, b = _operands()
+    names = _candidates(a, b)
+    _ranked(monkeypatch, [2e-3, 3e-3, 1e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        opforge.plan("matmul", a, b)
+    stored = json.loads((tmp_path / "autotune.json").read_text())
+    (entry,) = stored.values()
+    assert entry["choice"] == names[2]
+    # A later process: nothing in memory, the file on disk.
+    autotune.clear_tuning()
+    opforge.clear_caches()
+    calls = _ranked(monkeypatch, [])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        plan = opforge.plan("matmul", a, b)
+        _assert_product(plan.run(a, b), a, b)
+    assert autotune.describe(plan.tiling) == names[2] and calls == []
+    assert opforge.tuning_records()[-1].source == "file"
+
+
+def test_a_stored_choice_that_is_no_longer_a_candidate_is_timed_again(monkeypatch, tmp_path):
+    a, b = _operands()
+    names = _candidates(a, b)
+    _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        opforge.plan("matmul", a, b)
+    path = tmp_path / "autotune.json"
+    stored = json.loads(path.read_text())
+    for entry in stored.values():
+        entry["choice"] = "tiles BLOCK_M=999"
+    path.write_text(json.dumps(stored))
+    autotune.clear_tuning()
+    opforge.clear_caches()
+    calls = _ranked(monkeypatch, [1e-3, 2e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        plan = opforge.plan("matmul", a, b)
+    assert autotune.describe(plan.tiling) == names[0]
+    assert len(calls) == min(len(names), autotune.max_candidates())
+    assert opforge.tuning_records()[-1].source == "measured"
+
+
+def test_a_failing_candidate_is_skipped_and_recorded(monkeypatch):
+    a, b = _operands()
+    names = _candidates(a, b)
+    _ranked(monkeypatch, [RuntimeError("out of resource: shared memory"), 2e-3,
+                          *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        plan = opforge.plan("matmul", a, b)
+    assert autotune.describe(plan.tiling) == names[1]
+    timings = opforge.tuning_records()[-1].timings_us
+    assert timings[names[0]] == "RuntimeError: out of resource: shared memory"
+
+
+def test_an_input_error_during_tuning_is_raised_not_skipped(monkeypatch):
+    a, b = _operands()
+    _ranked(monkeypatch, [ShapeError("bad", op="matmul", param="a", expected=1, got=2)])
+    with opforge.use_backend("triton"), opforge.autotuning(), pytest.raises(ShapeError):
+        opforge.plan("matmul", a, b)
+
+
+def test_the_candidate_count_is_capped(monkeypatch):
+    a, b = _operands()
+    assert len(_candidates(a, b)) > 2
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_MAX", "2")
+    calls = _ranked(monkeypatch, [2e-3, 1e-3])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        opforge.plan("matmul", a, b)
+    assert len(calls) == 2 and len(opforge.tuning_records()[-1].timings_us) == 2
+
+
+def test_the_setting_nests_follows_the_environment_and_keys_the_plan_cache(monkeypatch):
+    assert not autotune.autotune_enabled()
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", "1")
+    assert autotune.autotune_enabled()
+    with opforge.autotuning(False):
+        assert not autotune.autotune_enabled()
+        with opforge.autotuning():
+            assert autotune.autotune_enabled()
+        assert not autotune.autotune_enabled()
+    opforge.set_autotune(False)
+    assert not autotune.autotune_enabled()
+    opforge.set_autotune(None)
+    assert autotune.autotune_enabled()
+    monkeypatch.delenv("OPFORGE_AUTOTUNE")
+    a, b = _operands()
+    _ranked(monkeypatch, [3e-3, 1e-3, *[5e-3] * 20])
+    with opforge.use_backend("triton"):
+        untuned = opforge.plan("matmul", a, b)
+        with opforge.autotuning():
+            tuned = opforge.plan("matmul", a, b)
+        assert opforge.plan("matmul", a, b) is untuned
+    assert tuned.tiling != untuned.tiling
+
+
+def test_calls_that_must_not_be_timed_are_not():
+    x = torch.randn(4, 8)
+    assert autotune.tunable([x, None], mutates_inputs=False)
+    assert not autotune.tunable([x], mutates_inputs=True)
+    assert not autotune.tunable([x.to("meta")], mutates_inputs=False)
+    assert not autotune.tunable([None], mutates_inputs=False)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert not autotune.tunable([fake], mutates_inputs=False)
+
+
+def test_an_operator_that_updates_its_caches_is_not_tuned_and_writes_them_once():
+    generator = torch.Generator().manual_seed(3)
+    inputs = mla_inputs(5, torch.float32, DEVICE, generator)
+    expected = [t.clone() for t in inputs]
+    with opforge.use_backend("triton"):
+        reference = opforge.mla_prolog(*expected)
+        with opforge.autotuning():
+            tuned = opforge.mla_prolog(*inputs)
+    assert all(r.op != "mla_prolog" for r in opforge.tuning_records())
+    for got, want in zip(tuned, reference):
+        assert torch.equal(got, want)
+
+
+def test_tuning_runs_are_not_observed_and_an_unwritable_file_is_no_error(monkeypatch,
+                                                                          tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_CACHE", str(blocker / "autotune.json"))
+    a, b = _operands()
+    _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * 20])
+    observed = []
+
+    class Count:
+        def __init__(self, plan):
+            observed.append(plan.op.name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    previous = set_run_observer(Count)
+    try:
+        with opforge.use_backend("triton"), opforge.autotuning():
+            plan = opforge.plan("matmul", a, b)
+            _assert_product(plan.run(a, b), a, b)
+    finally:
+        set_run_observer(previous)
+    assert observed == ["matmul"] and _observer[0] is previous
+    assert opforge.tuning_records()[-1].choice == autotune.describe(plan.tiling)
+
+
+def _first_of(names: list[str], variant: str) -> int:
+    return next(i for i, name in enumerate(names) if name.split()[0] == variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_matmul(monkeypatch, dtype):
+    """The CUDA tilings list the tensor-descriptor variants after the pointer kernel; a
+    ranking that favours one makes the plan run it (in the interpreter here), with the
+    product still right."""
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(40, 72, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(72, 56, generator=generator).to(DEVICE, dtype)
+    with opforge.use_hardware("h200"):
+        names = _candidates(a, b)
+        assert names[0].startswith("tiles ")
+        assert {"tiles_tma", "tiles_tma_ws"} <= {name.split()[0] for name in names}
+        winner = _first_of(names, "tiles_tma")
+        _ranked(monkeypatch, [1e-3 if i == winner else 2e-3 for i in range(len(names))])
+        with opforge.use_backend("triton"), opforge.autotuning():
+            plan = opforge.plan("matmul", a, b)
+            result = plan.run(a, b)
+    assert autotune.describe(plan.tiling) == names[winner]
+    golden = a.double() @ b.double()
+    assert (result.double() - golden).abs().max() <= 4 * torch.finfo(dtype).eps * (
+        a.double().abs() @ b.double().abs()).max()
+
+
+def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_attention(monkeypatch):
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 24, 64, generator=generator).to(DEVICE, torch.bfloat16)
+               for _ in range(3))
+    with opforge.use_hardware("h200"):
+        names = _candidates(q, k, "attention", more=(v,), causal=True)
+        assert names[0].startswith("flash ")
+        assert {"flash_tma", "flash_tma_ws"} <= {name.split()[0] for name in names}
+        winner = _first_of(names, "flash_tma")
+        _ranked(monkeypatch, [1e-3 if i == winner else 2e-3 for i in range(len(names))])
+        with opforge.use_backend("triton"), opforge.autotuning():
+            plan = opforge.plan("attention", q, k, v, causal=True)
+            out, lse = plan.run(q, k, v)
+    assert autotune.describe(plan.tiling) == names[winner]
+    with opforge.use_backend("torch"):
+        golden, golden_lse = opforge.attention(q.double(), k.double(), v.double(),
+                                               causal=True, return_lse=True)
+    assert (out.double() - golden).abs().max() < 2e-2
+    assert (lse.double() - golden_lse).abs().max() < 1e-3
