@@ -120,12 +120,34 @@ def test_nn_embedding_matches_torch_and_uses_the_operator(backend):
     (theirs(indices) * upstream).sum().backward()
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
     assert (ours.weight.grad[2] == 0).all()
-    with pytest.raises(opforge.UnsupportedError):
-        opforge.nn.Embedding(3, 2, max_norm=1.0)
+    for max_norm in (1.0, 0.0):
+        with pytest.raises(opforge.UnsupportedError) as raised:
+            opforge.nn.Embedding(3, 2, max_norm=max_norm)
+        assert (raised.value.param, raised.value.got) == ("max_norm", max_norm)
+    with pytest.raises(opforge.UnsupportedError) as raised:
+        opforge.nn.Embedding(3, 2, sparse=True)
+    assert (raised.value.param, raised.value.got) == ("sparse", True)
     for padding_idx in (3, -4):
         with pytest.raises(opforge.AttrError) as raised:
             opforge.nn.Embedding(3, 2, padding_idx=padding_idx)
         assert raised.value.param == "padding_idx"
+
+
+def test_nn_embedding_under_torch_func_as_torch(backend):
+    """vmap and torch.func.grad run the module as they run torch.nn.Embedding, the weight
+    gradient still from embedding_dense_grad."""
+    from torch.func import functional_call, grad, vmap
+
+    ours = opforge.nn.Embedding(6, 4, padding_idx=1)
+    theirs = torch.nn.Embedding(6, 4, padding_idx=1)
+    theirs.load_state_dict(ours.state_dict())
+    indices = torch.tensor([[0, 2, 2, 5], [1, 3, 0, 0]])
+    upstream = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(3))
+    gradients = [grad(lambda p, m=module: (functional_call(m, p, (indices,)) * upstream).sum())(
+        dict(module.named_parameters()))["weight"] for module in (ours, theirs)]
+    torch.testing.assert_close(gradients[0], gradients[1])
+    assert gradients[0].abs().sum() > 0 and not gradients[0][1].any()
+    torch.testing.assert_close(vmap(ours)(indices), vmap(theirs)(indices))
 
 
 def test_nn_embedding_from_pretrained_as_torch():

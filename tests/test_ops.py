@@ -213,6 +213,28 @@ def test_broadcast_add_property(shapes, alpha, dtype, backend):
     assert_golden(opforge.get_op("broadcast_add"), Case("prop", (a, b), {"alpha": alpha}), out)
 
 
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 5), ()), ((), (4,)), ((), ()), ((2, 1), (1,))])
+def test_broadcast_add_takes_torch_add_s_dtype(a_shape, b_shape, backend):
+    """The result dtype is torch.add's for every pair of float dtypes, 0-d operands
+    included (a 0-d float32 beside an fp16 tensor does not widen it), with the gradient
+    of each operand in that operand's dtype."""
+    generator = torch.Generator().manual_seed(11)
+    for a_dtype in FLOATS:
+        for b_dtype in FLOATS:
+            a = torch.randn(a_shape, generator=generator).to(DEVICE, a_dtype).requires_grad_()
+            b = torch.randn(b_shape, generator=generator).to(DEVICE, b_dtype).requires_grad_()
+            out = opforge.broadcast_add(a, b, 0.5)
+            assert out.dtype == torch.add(a.detach(), b.detach()).dtype, (a_dtype, b_dtype)
+            golden = a.detach().double() + 0.5 * b.detach().double()
+            scale = a.detach().double().abs() + 0.5 * b.detach().double().abs()
+            assert ((out.double() - golden).abs() <= torch.finfo(out.dtype).eps * scale).all()
+            grad_a, grad_b = torch.autograd.grad(out.sum(), (a, b))
+            assert (grad_a.dtype, grad_b.dtype) == (a_dtype, b_dtype)
+
+
 @given(a_shape=st.lists(st.integers(2, 5), min_size=1, max_size=4),
        b_dim=st.integers(6, 9))
 def test_non_broadcastable_shapes_raise(a_shape, b_dim):

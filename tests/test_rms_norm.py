@@ -143,6 +143,38 @@ def test_module_is_a_drop_in_for_torch():
         assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_module_default_eps_is_torch_s_in_every_dtype(backend, dtype):
+    """eps=None is the compute dtype's epsilon, as in torch.nn.RMSNorm: float32's for 16-bit
+    inputs (bfloat16's 7.8e-3 would shrink rows of small RMS far from the golden)."""
+    x = (torch.randn(64, 8, generator=torch.Generator().manual_seed(4)) * 0.05).to(dtype)
+    ours, theirs = opforge.nn.RMSNorm(8, dtype=dtype), torch.nn.RMSNorm(8, dtype=dtype)
+    eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+    golden = torch.nn.functional.rms_norm(x.double(), (8,), None, eps)
+    ours_error = (ours(x).double() - golden).abs().max()
+    theirs_error = (theirs(x).double() - golden).abs().max()
+    assert ours_error <= max(2 * theirs_error, 4 * torch.finfo(dtype).eps)
+
+
+def test_a_0d_input_is_one_row_of_one_element(backend):
+    """A 0-d x is normalised as a row of one element (weight (1,)) on both backends,
+    forward and backward, against the float64 formula."""
+    x = torch.tensor(-0.75, device=DEVICE, requires_grad=True)
+    weight = torch.tensor([3.0], device=DEVICE, requires_grad=True)
+    y, rstd = torch.ops.opforge.rms_norm(x, weight, 0.5)
+    assert y.shape == () and rstd.shape == ()
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    golden = x64 * torch.rsqrt(x64 * x64 + 0.5) * w64[0]
+    assert torch.allclose(y.double(), golden, rtol=1e-6)
+    assert torch.allclose(rstd.double(), torch.rsqrt(x64 * x64 + 0.5), rtol=1e-6)
+    for got, want in zip(torch.autograd.grad(y, (x, weight)),
+                         torch.autograd.grad(golden, (x64, w64))):
+        assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5)
+    with pytest.raises(opforge.ShapeError) as raised:
+        opforge.rms_norm(x.detach(), torch.ones(()))
+    assert raised.value.expected == (1,)
+
+
 def test_errors_come_before_any_kernel():
     with pytest.raises(opforge.ShapeError, match="weight"):
         opforge.rms_norm(_x(3, 4), _x(5))

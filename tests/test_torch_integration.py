@@ -122,6 +122,32 @@ def test_float64_gradients_are_float64_exact(ours, theirs, shapes):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_saved_statistics_are_not_differentiable(backend, compiled):
+    """A norm's rstd/mean outputs (what torch_npu.npu_rms_norm returns beside y) never
+    require grad, eager or compiled: a loss on them fails loudly instead of getting a
+    gradient of zero, and y's gradient is unchanged."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    x.requires_grad_()
+    weight = torch.ones(16, device=DEVICE, requires_grad=True)
+    calls = {"rms_norm": (lambda: torch.ops.opforge.rms_norm(x, weight), (1,)),
+             "add_rms_norm": (lambda: torch.ops.opforge.add_rms_norm(x, x, weight), (1,)),
+             "layer_norm": (lambda: torch.ops.opforge.layer_norm(x, weight, None, [16]),
+                            (1, 2))}
+    for name, (call, statistics) in calls.items():
+        outputs = (torch.compile(call, backend="aot_eager", fullgraph=True) if compiled
+                   else call)()
+        assert outputs[0].requires_grad, name
+        for index in statistics:
+            assert not outputs[index].requires_grad, (name, index)
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                torch.autograd.grad(outputs[index].sum(), x)
+        (grad,) = torch.autograd.grad(outputs[0].sum() + sum(outputs[i].sum()
+                                                             for i in statistics), x)
+        (expected,) = torch.autograd.grad(call()[0].sum(), x)
+        torch.testing.assert_close(grad, expected)
+
+
 def test_saved_statistics_must_have_the_forward_dtype():
     x, weight = torch.randn(3, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     _, rstd = opforge.plan("rms_norm", x, weight).run(x, weight)

@@ -35,7 +35,9 @@ def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch
         alpha: multiplier of ``b`` (a finite number).
 
     Returns:
-        A tensor of the broadcast shape and ``torch.promote_types(a.dtype, b.dtype)``.
+        A tensor of the broadcast shape and ``torch.add``'s dtype: ``torch.promote_types(
+        a.dtype, b.dtype)``, except that a 0-d operand beside a dimensioned one keeps the
+        dimensioned one's dtype (fp16 tensor + 0-d float32 tensor: fp16).
 
     Raises:
         ShapeError: the shapes cannot be broadcast (the message names both shapes and the
@@ -70,7 +72,8 @@ def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
                keepdim: bool = False, scale: float = 1.0) -> torch.Tensor:
     """``scale * x.sum(dims)`` accumulated in float32, output in ``x.dtype``.
 
-    ``dims=None`` reduces every dim; ``dims=()`` reduces none.
+    ``dims=None`` reduces every dim; ``dims=()`` reduces none, as CANN's ReduceSum does
+    (``torch.sum(x, dim=())`` reduces every dim).
 
     Raises:
         AttrError: a dim out of range or repeated. DtypeError: unsupported dtype.
@@ -326,8 +329,8 @@ def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights:
     ``scale_grad_by_freq``), rows of ``padding_idx`` skipped, float32 accumulation.
 
     Args:
-        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: any integer dtype, any
-            shape. deterministic: the sort-based kernel (bitwise reproducible) or the
+        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: int64, int32, int16 or
+            uint8, any shape. deterministic: the sort-based kernel (bitwise reproducible) or the
             atomic one; None follows ``torch.are_deterministic_algorithms_enabled()``.
         check_range: check every index before the kernels (one read of the extremes);
             ``False`` skips it on GPUs only.

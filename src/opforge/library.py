@@ -101,9 +101,14 @@ def _autograd_kernel(opdef: OpDef, op: Any, full: Callable[[tuple[Any, ...]], tu
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset, *args)
 
+    constants = [index for index, output in enumerate(opdef.outputs)
+                 if not output.differentiable]
+
     def forward(ctx: Any, *args: Any) -> Any:
         *inputs, keyset = args
         result = below_autograd(keyset, inputs)
+        if constants:
+            ctx.mark_non_differentiable(*(result[index] for index in constants))
         if opdef.setup_context_fn is not None:
             opdef.setup_context_fn(ctx, tuple(inputs), result)
         elif opdef.backward_fn is None:

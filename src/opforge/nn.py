@@ -52,8 +52,9 @@ class Softmax(torch.nn.Module):
 class RMSNorm(torch.nn.Module):
     """``torch.nn.RMSNorm`` computed by `opforge.rms_norm`: same constructor, same
     ``weight`` parameter and state_dict keys. ``normalized_shape`` may span several trailing
-    dims (they are normalised together); ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as
-    torch does."""
+    dims (they are normalised together); ``eps=None`` uses the machine epsilon of the
+    compute dtype, as torch does: float32's for 16-bit inputs (their statistics are float32),
+    else x's own."""
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
                  elementwise_affine: bool = True, device: torch.device | str | None = None,
@@ -78,7 +79,8 @@ class RMSNorm(torch.nn.Module):
         if tuple(x.shape[x.ndim - count:]) != self.normalized_shape:
             raise ShapeError("trailing dims must equal normalized_shape", op="RMSNorm",
                              param="x", expected=self.normalized_shape, got=tuple(x.shape))
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = (self.eps if self.eps is not None
+               else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps)
         rows = x.reshape(*x.shape[:x.ndim - count], math.prod(self.normalized_shape))
         weight = None if self.weight is None else self.weight.reshape(-1)
         return functional.rms_norm(rows, weight, eps).reshape(x.shape)
@@ -165,15 +167,23 @@ class Linear(torch.nn.Module):
 
 
 class _EmbeddingLookup(torch.autograd.Function):
-    """Row lookup whose weight gradient is `opforge.embedding_dense_grad`."""
+    """Row lookup whose weight gradient is `opforge.embedding_dense_grad`. In the
+    forward/setup_context form that torch.func transforms need: ``vmap`` and
+    ``torch.func.grad`` work as on ``torch.nn.Embedding``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: object, weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
+    def forward(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
                 scale_grad_by_freq: bool) -> torch.Tensor:
+        return torch.nn.functional.embedding(indices, weight)
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+        weight, indices, padding_idx, scale_grad_by_freq = inputs
         ctx.save_for_backward(indices)
         ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
-        return torch.nn.functional.embedding(indices, weight)
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -201,8 +211,10 @@ class Embedding(torch.nn.Module):
         super().__init__()
         if max_norm is not None or sparse:
             raise UnsupportedError("max_norm and sparse gradients are not supported",
-                                   op="Embedding", param="max_norm" if max_norm else "sparse",
-                                   expected="None / False", got=max_norm or sparse)
+                                   op="Embedding",
+                                   param="sparse" if max_norm is None else "max_norm",
+                                   expected="None / False",
+                                   got=sparse if max_norm is None else max_norm)
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise AttrError("must index the table", op="Embedding", param="padding_idx",
                             expected=f"{-num_embeddings}..{num_embeddings - 1}",

@@ -81,10 +81,13 @@ class TensorArg:
 
 @dataclass(frozen=True)
 class OutputArg:
-    """A tensor output."""
+    """A tensor output; ``differentiable=False`` for a statistic saved for the backward
+    (a norm's rstd): autograd marks it non-differentiable, so it never requires grad and a
+    loss on it fails loudly instead of getting a silently dropped gradient."""
 
     name: str
     doc: str = ""
+    differentiable: bool = True
 
 
 _ATTR_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str", "ints": "int[]"}

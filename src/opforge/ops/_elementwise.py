@@ -29,6 +29,7 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
+from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import INT32_LIMIT, cdiv, next_power_of_2, persistent_grid
 
 try:
@@ -106,8 +107,14 @@ def same_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
 
 
 def promoted_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
-    """`OpDef.infer_dtype` of a binary op: ``torch.promote_types`` of its two inputs."""
-    return [torch.promote_types(inputs[0].dtype, inputs[1].dtype)]
+    """`OpDef.infer_dtype` of a binary op: ``torch.result_type`` of its two (floating)
+    inputs. A 0-d operand beside a dimensioned one does not raise its dtype (an fp16
+    tensor plus a 0-d float32 tensor is fp16); otherwise ``torch.promote_types``."""
+    first, second = inputs[0], inputs[1]
+    ranks = [None if is_unknown_rank(spec.shape) else len(spec.shape) for spec in inputs[:2]]
+    if None not in ranks and (ranks[0] == 0) != (ranks[1] == 0):
+        return [first.dtype if ranks[1] == 0 else second.dtype]
+    return [torch.promote_types(first.dtype, second.dtype)]
 
 
 def same_shape_pair(op: str, names: tuple[str, str]) -> Callable[[Specs, Attrs], None]:

@@ -1,7 +1,8 @@
 """BroadcastAdd: ``out = a + alpha * b`` with NumPy broadcasting up to 8 dims.
 
 Semantics of CANN's Add/AddV2 with ``torch.add``'s ``alpha``: shapes broadcast (pad with 1s
-on the left, size-1 dims stretch), the output dtype is ``torch.promote_types(a, b)``, the sum
+on the left, size-1 dims stretch), the output dtype is ``torch.add``'s (``promote_types(a,
+b)``, except that a 0-d operand beside a dimensioned one does not raise the dtype), the sum
 is computed in float32 (float64 for float64 inputs) and rounded once. Broadcast inputs are
 read through stride-0 views, never expanded in memory. The backward sums the gradient over
 each input's broadcast dims with `reduce_sum` (float32 accumulation, ``alpha`` folded in).

@@ -1,10 +1,11 @@
 """ReduceSum: ``out = scale * sum(x, dims)``, accumulated in float32.
 
-Semantics of CANN's ReduceSum (and ``torch.sum`` for floating inputs): ``dims=None`` reduces
-every dim, ``dims=()`` reduces none (the output is ``scale * x``), ``keepdim`` keeps reduced
-dims as size 1, and the output has the input's dtype. ``scale`` is applied in float32 before
-the single rounding to the output dtype, which is how `broadcast_add`'s backward scales the
-gradient of ``b`` by ``alpha`` without a second rounding.
+Semantics of CANN's ReduceSum: ``dims=None`` reduces every dim, ``dims=()`` reduces none
+(the output is ``scale * x``; unlike ``torch.sum(x, dim=())``, which reduces every dim),
+``keepdim`` keeps reduced dims as size 1, and the output has the input's dtype. ``scale``
+is applied in float32 before the single rounding to the output dtype, which is how
+`broadcast_add`'s backward scales the gradient of ``b`` by ``alpha`` without a second
+rounding.
 
 The kernel views the input as a 2-D ``(M kept, K reduced)`` matrix through its strides. When
 there are too few output rows to fill the device, the K axis is split across programs that

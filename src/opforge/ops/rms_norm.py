@@ -59,9 +59,11 @@ EPS = Attr("eps", "float", 1e-6, range=(0.0, None), doc="added to mean(x^2)")
 def _check_weight(op: str, x: object, weight: object) -> None:
     if weight is None or is_unknown_rank(x.shape):
         return
-    if tuple(weight.shape) != (tuple(x.shape)[-1:] or (1,)):
+    # A 0-d x is one row of one element.
+    expected = tuple(x.shape)[-1:] or (1,)
+    if tuple(weight.shape) != expected:
         raise ShapeError("must be 1-D with the size of x's last dim", op=op, param="weight",
-                         expected=tuple(x.shape)[-1:], got=tuple(weight.shape))
+                         expected=expected, got=tuple(weight.shape))
 
 
 def _check(op: str, paired: tuple[str, ...], statistics: bool = False
@@ -245,7 +247,7 @@ def _torch_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Te
 RMS_NORM = OpDef(
     name="rms_norm", doc="x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps) in float32.",
     inputs=(TensorArg("x"), TensorArg("weight", FLOAT_DTYPES, optional=True)),
-    outputs=(OutputArg("y"), OutputArg("rstd")), attrs=(EPS,),
+    outputs=(OutputArg("y"), OutputArg("rstd", differentiable=False)), attrs=(EPS,),
     infer_shape=_forward_shapes(False), infer_dtype=_forward_dtypes(False),
     check=_check("rms_norm", ()), cost=_cost(1, 1), tiling=norm.tiling(_geometry, 1),
     grid=norm.grid(_geometry), samples=_samples, autocast=AutocastPolicy.FP32,
@@ -260,7 +262,8 @@ ADD_RMS_NORM = OpDef(
     name="add_rms_norm", doc="s = x + residual; (s * rstd * weight, rstd, s), one read each.",
     inputs=(TensorArg("x"), TensorArg("residual"),
             TensorArg("weight", FLOAT_DTYPES, optional=True)),
-    outputs=(OutputArg("y"), OutputArg("rstd"), OutputArg("sum")), attrs=(EPS,),
+    outputs=(OutputArg("y"), OutputArg("rstd", differentiable=False), OutputArg("sum")),
+    attrs=(EPS,),
     infer_shape=_forward_shapes(True), infer_dtype=_forward_dtypes(True),
     check=_check("add_rms_norm", ("residual",)), cost=_cost(2, 2),
     tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry), samples=_add_samples,
@@ -299,6 +302,9 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def reference(x: torch.Tensor, weight: torch.Tensor | None, *, compute_dtype: torch.dtype,
               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd) in ``compute_dtype``."""
+    if x.ndim == 0:  # one row of one element, as the kernels take it
+        y, rstd = reference(x.reshape(1), weight, compute_dtype=compute_dtype, eps=eps)
+        return y.reshape(()), rstd
     wide = x.to(compute_dtype)
     rstd = _rms(wide, eps) if wide.numel() else wide.sum(-1, keepdim=True)
     y = wide * rstd * (1.0 if weight is None else weight.to(compute_dtype))
@@ -318,6 +324,10 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
                        weight: torch.Tensor | None, *, compute_dtype: torch.dtype,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight) in ``compute_dtype`` from the saved rstd."""
+    if x.ndim == 0:
+        grad_x, grad_weight = backward_reference(grad.reshape(1), x.reshape(1), rstd, weight,
+                                                 compute_dtype=compute_dtype, eps=eps)
+        return grad_x.reshape(()), grad_weight
     grad, x = grad.to(compute_dtype), x.to(compute_dtype)
     rstd = rstd.to(compute_dtype).unsqueeze(-1)
     x_hat = x * rstd
