@@ -14,7 +14,8 @@
 #                  here; choices kept in $OUT/autotune.json); the report lists each
 #                  candidate's time. Not in the default STEPS: ask for it
 #   attention_precision  the attention precision study up to S = 16384
-#   tests          the matmul, MlaProlog, rope, attention, gating and embedding tests (no
+#   tests          the matmul, MlaProlog, rope, attention, gating, embedding and autotuning
+#                  tests (no
 #                  hypothesis; the newest GPU paths first: split K, tensor descriptors,
 #                  strided outputs; each new kernel variant compiles on first use), and the
 #                  monitor's model split over CPU and GPU
@@ -107,7 +108,7 @@ step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_p
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
 step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
   tests/test_matmul.py tests/test_mla_prolog.py tests/test_rope.py tests/test_attention.py \
-  tests/test_moe_gating.py tests/test_embedding_dense_grad.py \
+  tests/test_moe_gating.py tests/test_embedding_dense_grad.py tests/test_autotune.py \
   tests/test_monitor.py::test_a_model_split_over_devices_is_analysed -k "not property"
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify"
