@@ -15,10 +15,9 @@
 #                  candidate's time. Not in the default STEPS: ask for it
 #   attention_precision  the attention precision study up to S = 16384
 #   tests          the matmul, MlaProlog, rope, attention, gating, embedding and autotuning
-#                  tests (no
-#                  hypothesis; the newest GPU paths first: split K, tensor descriptors,
-#                  strided outputs; each new kernel variant compiles on first use), and the
-#                  monitor's model split over CPU and GPU
+#                  tests (no hypothesis; the newest GPU paths first: split K, tensor
+#                  descriptors, strided outputs; each new kernel variant compiles on first
+#                  use), and the monitor's model split over CPU and GPU
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
 #   host_overhead  benchmarks/host_overhead.py --device cuda: host µs per call and layer
