@@ -4,7 +4,10 @@ timer is replaced where a test needs a given ranking."""
 
 from __future__ import annotations
 
+import csv
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +29,7 @@ def fresh(tmp_path, monkeypatch) -> Iterator[None]:
     monkeypatch.setenv("OPFORGE_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     monkeypatch.delenv("OPFORGE_AUTOTUNE", raising=False)
     monkeypatch.delenv("OPFORGE_AUTOTUNE_MAX", raising=False)
+    autotune.set_autotune(None)
     autotune.clear_tuning()
     opforge.clear_caches()
     yield
@@ -177,6 +181,8 @@ def test_the_candidate_count_is_capped(monkeypatch):
 def test_the_setting_nests_follows_the_environment_and_keys_the_plan_cache(monkeypatch):
     assert not autotune.autotune_enabled()
     monkeypatch.setenv("OPFORGE_AUTOTUNE", "1")
+    assert not autotune.autotune_enabled()  # read once, and again by set_autotune(None)
+    opforge.set_autotune(None)
     assert autotune.autotune_enabled()
     with opforge.autotuning(False):
         assert not autotune.autotune_enabled()
@@ -188,6 +194,7 @@ def test_the_setting_nests_follows_the_environment_and_keys_the_plan_cache(monke
     opforge.set_autotune(None)
     assert autotune.autotune_enabled()
     monkeypatch.delenv("OPFORGE_AUTOTUNE")
+    opforge.set_autotune(None)
     a, b = _operands()
     _ranked(monkeypatch, [3e-3, 1e-3, *[5e-3] * 20])
     with opforge.use_backend("triton"):
@@ -298,3 +305,129 @@ def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_attention(monkey
                                                causal=True, return_lse=True)
     assert (out.double() - golden).abs().max() < 2e-2
     assert (lse.double() - golden_lse).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "abc", None, 5, {"x": [1]}])
+def test_a_malformed_stored_entry_is_timed_again(monkeypatch, tmp_path, bad):
+    a, b = _operands()
+    names = _candidates(a, b)
+    _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        opforge.plan("matmul", a, b)
+    path = tmp_path / "autotune.json"
+    stored = json.loads(path.read_text())
+    for entry in stored.values():
+        entry["timings_us"] = bad
+    path.write_text(json.dumps(stored))
+    autotune.clear_tuning()
+    opforge.clear_caches()
+    calls = _ranked(monkeypatch, [1e-3, *[5e-3] * len(names)])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        plan = opforge.plan("matmul", a, b)
+    assert autotune.describe(plan.tiling) == names[0] and calls
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["choice"] == names[0] and isinstance(entry["timings_us"], dict)
+
+
+def test_a_choice_is_recorded_once_and_other_processes_choices_are_kept(monkeypatch,
+                                                                      tmp_path):
+    a, b = _operands()
+    calls = _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * 20])
+    opforge.set_plan_cache(False)
+    try:
+        with opforge.use_backend("triton"), opforge.autotuning():
+            for _ in range(3):
+                opforge.plan("matmul", a, b)
+    finally:
+        opforge.set_plan_cache(True)
+    assert len(opforge.tuning_records()) == 1
+    timed = len(calls)
+    path = tmp_path / "autotune.json"
+    # Another process adds its choice after this one read the file.
+    stored = json.loads(path.read_text())
+    stored["other | bucket"] = {"choice": "tiles BLOCK_M=16", "timings_us": {}}
+    path.write_text(json.dumps(stored))
+    _ranked(monkeypatch, [1e-3, *[5e-3] * 20])
+    with opforge.use_backend("triton"), opforge.autotuning():
+        opforge.plan("matmul", a[:7], b)  # a new bucket
+    assert timed > 0 and len(json.loads(path.read_text())) == 3
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_two_threads_planning_one_bucket_time_it_once(monkeypatch):
+    a, b = _operands()
+    names = _candidates(a, b)
+    calls = _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * (2 * len(names))])
+    plans = []
+
+    def plan() -> None:
+        with opforge.use_backend("triton"), opforge.autotuning():
+            plans.append(opforge.plan("matmul", a, b))
+
+    threads = [threading.Thread(target=plan) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == min(len(names), autotune.max_candidates())
+    assert plans[0].tiling == plans[1].tiling and len(opforge.tuning_records()) == 1
+
+
+@pytest.mark.parametrize("text, enabled", [("1", True), ("yes", True), ("ON", True),
+                                           ("0", False), ("false", False), ("no", False),
+                                           ("off", False), ("", False)])
+def test_the_environment_setting_is_an_on_off_word(monkeypatch, text, enabled):
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", text)
+    opforge.set_autotune(None)
+    assert autotune.autotune_enabled() is enabled
+
+
+def test_bad_settings_are_errors(monkeypatch):
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="OPFORGE_AUTOTUNE"):
+        opforge.set_autotune(None)
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", "0")
+    opforge.set_autotune(None)
+    for bad in ("0", "-1", "abc", "\u00b2", "1.5"):
+        monkeypatch.setenv("OPFORGE_AUTOTUNE_MAX", bad)
+        with pytest.raises(ValueError, match="OPFORGE_AUTOTUNE_MAX"):
+            autotune.max_candidates()
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_MAX", " 3")
+    assert autotune.max_candidates() == 3
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        with opforge.autotuning():
+            return x + 1
+
+    with pytest.raises(Exception, match=r"autotuning inside a torch\.compile"):
+        torch.compile(traced, backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def test_the_choices_file_follows_the_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("OPFORGE_AUTOTUNE_CACHE")
+    monkeypatch.setenv("OPFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    assert autotune.cache_path() == tmp_path / "cache" / "autotune.json"
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_CACHE", "")
+    assert autotune.cache_path() is None
+
+
+def test_a_profile_leaves_the_tuning_out_of_the_operator_s_time(monkeypatch, tmp_path):
+    """The candidate runs of a profiled first call are compile-time work: the operator's
+    time is its own run's, and the report's notes say how long tuning took."""
+    a, b = _operands()
+    names = _candidates(a, b)
+
+    def slow(run, device):
+        run()
+        time.sleep(0.1)
+        return 1e-3
+
+    monkeypatch.setattr(autotune, "_seconds", slow)
+    with opforge.use_backend("triton"), opforge.autotuning(), \
+            opforge.profile(tmp_path / "profile") as session:
+        opforge.matmul(a, b)
+    tuning_s = 0.1 * min(len(names), autotune.max_candidates())
+    with open(tmp_path / "profile" / "op_statistic.csv") as handle:
+        (row,) = [r for r in csv.DictReader(handle) if r["OP Type"] == "opforge::matmul"]
+    assert float(row["Total Time(us)"]) * 1e-6 < tuning_s / 2
+    assert any("autotuned" in note for note in session.result.meta.notes)

@@ -20,9 +20,13 @@ write it again); for fake or meta tensors; during CUDA graph capture; and while
 torch.compile traces.
 
 Settings: `set_autotune` / the `autotuning` block (innermost wins, per thread), else
-``OPFORGE_AUTOTUNE`` (``1`` on, default off); ``OPFORGE_AUTOTUNE_CACHE`` the file (default
+``OPFORGE_AUTOTUNE`` (``1``/``true``/``yes``/``on``, or ``0``/``false``/``no``/``off``;
+default off; read on first use and again by ``set_autotune(None)``);
+``OPFORGE_AUTOTUNE_CACHE`` the file (default ``$OPFORGE_CACHE_DIR/autotune.json``, else
 ``~/.cache/opforge/autotune.json``; empty: no file); ``OPFORGE_AUTOTUNE_MAX`` the number of
-candidates timed (default 12).
+candidates timed (a positive integer, default 12). The tuning runs are marked
+``opforge::autotune`` for the profiler, which leaves them out of the operator's time, as it
+does torch.compile's compilations.
 """
 
 from __future__ import annotations
@@ -64,8 +68,7 @@ class TuningRecord:
         choice: `describe` of the chosen tiling.
         timings_us: per candidate (`describe`), its time in µs, or the error that
             excluded it.
-        source: ``"measured"`` (timed by this process) or ``"file"`` (read from the cache
-            file).
+        source: ``"measured"`` (timed by this process) or ``"file"`` (the choices file's).
     """
 
     op: str
@@ -75,26 +78,66 @@ class TuningRecord:
     source: str = "measured"
 
 
-_records: list[TuningRecord] = []
+_records: dict[str, TuningRecord] = {}  # by key, in the order the buckets were chosen
+_bucket_locks: dict[str, threading.Lock] = {}
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_environment: list[bool] = []  # OPFORGE_AUTOTUNE, once read
+
+
+def _from_environment() -> bool:
+    text = os.environ.get("OPFORGE_AUTOTUNE", "").strip().lower()
+    if text not in _ON + _OFF:
+        raise ValueError(f"OPFORGE_AUTOTUNE={os.environ['OPFORGE_AUTOTUNE']!r}: expected one "
+                         f"of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} (off)")
+    return text in _ON
 
 
 def autotune_enabled() -> bool:
     """Whether plans time their tiling candidates: the innermost `autotuning` block or
-    `set_autotune` of this thread, else ``OPFORGE_AUTOTUNE``."""
+    `set_autotune` of this thread, else ``OPFORGE_AUTOTUNE``.
+
+    Raises:
+        ValueError: ``OPFORGE_AUTOTUNE`` is not an on/off word.
+    """
     stack = getattr(_state, "stack", None)
     if stack:
         return stack[-1]
-    return os.environ.get("OPFORGE_AUTOTUNE", "0") not in ("", "0")
+    if not _environment:
+        _environment.append(_from_environment())
+    return _environment[0]
+
+
+def _outside_compilation(what: str) -> None:
+    # A setting entered while torch.compile traces would apply to the tracing only.
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"opforge.{what} inside a torch.compile'd function would only "
+                           "apply while tracing: call it around the compiled call")
 
 
 def set_autotune(enabled: bool | None) -> None:
-    """Turn autotuning on or off for this thread (``None``: back to ``OPFORGE_AUTOTUNE``)."""
+    """Turn autotuning on or off for this thread (``None``: back to ``OPFORGE_AUTOTUNE``,
+    read again).
+
+    Raises:
+        RuntimeError: called inside a function being compiled by torch.compile.
+        ValueError: with ``None``, ``OPFORGE_AUTOTUNE`` is not an on/off word.
+    """
+    _outside_compilation("set_autotune")
+    if enabled is None:
+        _environment[:] = [_from_environment()]
     _state.stack = [] if enabled is None else [bool(enabled)]
 
 
 @contextlib.contextmanager
 def autotuning(enabled: bool = True) -> Iterator[None]:
-    """Autotuning on (or off) inside the block, for this thread."""
+    """Autotuning on (or off) inside the block, for this thread.
+
+    Raises:
+        RuntimeError: entered inside a function being compiled by torch.compile (it would
+            apply only while tracing; torch.compile then runs that function eagerly, and
+            ``fullgraph=True`` reports the error).
+    """
+    _outside_compilation("autotuning")
     stack = getattr(_state, "stack", None)
     if stack is None:
         stack = _state.stack = []
@@ -106,34 +149,46 @@ def autotuning(enabled: bool = True) -> Iterator[None]:
 
 
 def max_candidates() -> int:
-    """Candidates timed per bucket (``OPFORGE_AUTOTUNE_MAX``, default 12)."""
-    text = os.environ.get("OPFORGE_AUTOTUNE_MAX", "")
-    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_MAX_CANDIDATES
+    """Candidates timed per bucket (``OPFORGE_AUTOTUNE_MAX``, default 12).
+
+    Raises:
+        ValueError: the variable is set but not a positive integer.
+    """
+    text = os.environ.get("OPFORGE_AUTOTUNE_MAX", "").strip()
+    if not text:
+        return DEFAULT_MAX_CANDIDATES
+    if not (text.isascii() and text.isdigit() and int(text) > 0):
+        raise ValueError(f"OPFORGE_AUTOTUNE_MAX={os.environ['OPFORGE_AUTOTUNE_MAX']!r}: "
+                         "expected a positive integer")
+    return int(text)
 
 
 def cache_path() -> Path | None:
-    """The choices file (``OPFORGE_AUTOTUNE_CACHE``; ``None`` when set empty)."""
+    """The choices file: ``OPFORGE_AUTOTUNE_CACHE`` (``None`` when set empty), else
+    ``autotune.json`` in ``$OPFORGE_CACHE_DIR`` or ``~/.cache/opforge``."""
     text = os.environ.get("OPFORGE_AUTOTUNE_CACHE")
     if text is None:
-        return Path.home() / ".cache" / "opforge" / "autotune.json"
+        root = os.environ.get("OPFORGE_CACHE_DIR") or Path.home() / ".cache" / "opforge"
+        return Path(root) / "autotune.json"
     return Path(text) if text else None
 
 
 def tuning_records() -> list[TuningRecord]:
-    """The choices this process made or read, oldest first."""
+    """Each bucket's choice this process made or read, in the order they were made."""
     with _lock:
-        return list(_records)
+        return list(_records.values())
 
 
 def stored_count() -> int:
     """How many bucket choices the file holds."""
     with _lock:
-        return len(_read_file())
+        return len(_read_file(fresh=True))
 
 
 def clear_tuning() -> None:
-    """Forget this process's choices and the file's entries read so far (the file itself
-    stays; delete it to time every bucket again)."""
+    """Forget this process's choices and the file's entries read so far. Plans and tilings
+    keep the choices they were made with: `opforge.clear_caches` drops them, and with the
+    file deleted too every bucket is timed again."""
     global _stored
     with _lock:
         _records.clear()
@@ -177,43 +232,65 @@ def bucket_key(op: str, bucket: str, device: torch.device, hardware: str) -> str
     return f"{op} | {bucket} | {hardware} | {_device_name(device)} | triton {version}"
 
 
-def _read_file() -> dict[str, Any]:
+def _read_file(fresh: bool = False) -> dict[str, Any]:
+    """The file's entries (read once, or again with ``fresh``); a missing, unreadable or
+    malformed file reads as empty, and entries of the wrong form are left out."""
     global _stored
-    if _stored is None:
+    if _stored is None or fresh:
         path = cache_path()
         try:
             loaded = json.loads(path.read_text()) if path is not None else {}
         except (OSError, ValueError):
             loaded = {}  # missing or unreadable: time again, rewrite it
-        _stored = loaded if isinstance(loaded, dict) else {}
+        entries = loaded if isinstance(loaded, dict) else {}
+        _stored = {key: entry for key, entry in entries.items() if _well_formed(entry)}
     return _stored
 
 
+def _well_formed(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("choice"), str)
+            and isinstance(entry.get("timings_us"), dict)
+            and all(isinstance(name, str) and isinstance(value, (int, float, str))
+                    for name, value in entry["timings_us"].items()))
+
+
 def _write_file(key: str, record: TuningRecord) -> None:
+    """Add one choice to the file: read again first, so that choices other processes
+    wrote since are kept; written whole to a temporary file, then renamed."""
     path = cache_path()
-    entries = _read_file()
+    entries = _read_file(fresh=path is not None)
     entries[key] = {"choice": record.choice, "timings_us": record.timings_us}
     if path is None:
         return
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
         os.replace(partial, path)  # readers never see half a file
     except OSError:
-        pass  # a read-only home: the choice still holds for this process
+        # A read-only or odd path: the choice still holds for this process.
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _seconds(run: Callable[[], Any], device: torch.device) -> float:
-    """Median seconds of ``run`` on a GPU (do_bench); off the GPU the best of a few runs."""
+    """Median seconds of ``run`` on a GPU (do_bench); elsewhere the best of a few runs,
+    each waited for (an accelerator's launch returns before the work is done)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         return float(do_bench(run, warmup=WARMUP_MS, rep=REP_MS)) * 1e-3
     best = math.inf
     for _ in range(HOST_RUNS):
+        _synchronize(device)
         start = time.perf_counter()
         run()
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -221,42 +298,65 @@ def _seconds(run: Callable[[], Any], device: torch.device) -> float:
 def choose(op: str, key: str, candidates: Sequence[Tiling],
            prepare: Callable[[Tiling], Callable[[], Any]], device: torch.device) -> Tiling:
     """The fastest of ``candidates`` (fitting ones, in preference order; at most
-    `max_candidates` are timed), or the stored choice for ``key``.
+    `max_candidates` distinct ones are timed), or the choice already made for ``key`` (by
+    this process, or stored in the file).
 
     ``prepare(tiling)`` runs the call once with that tiling (compiling its kernels) and
     returns a function that runs it again. A candidate whose ``prepare`` or run raises is
     skipped, except for an `OpError`: the inputs themselves are invalid, and that error is
     raised as every candidate would raise it. When every candidate fails, the first is
-    returned (its error then reaches the caller from the real run)."""
+    returned (its error then reaches the caller from the real run). One thread tunes a
+    bucket at a time; another planning it meanwhile waits for the choice."""
+    with _lock:
+        bucket_lock = _bucket_locks.setdefault(key, threading.Lock())
+    with bucket_lock:
+        known = _known_choice(op, key, candidates)
+        if known is not None:
+            return known
+        return _measure(op, key, candidates, prepare, device)
+
+
+def _known_choice(op: str, key: str, candidates: Sequence[Tiling]) -> Tiling | None:
+    """The candidate this process or the file chose for ``key``, if it is still one."""
+    with _lock:
+        record = _records.get(key)
+        if record is None:
+            stored = _read_file().get(key)
+            if stored is not None:
+                record = TuningRecord(op, key, stored["choice"], dict(stored["timings_us"]),
+                                      "file")
+        match = None if record is None else next(
+            (t for t in candidates if describe(t) == record.choice), None)
+        if match is not None:
+            _records.setdefault(key, record)
+        return match
+
+
+def _measure(op: str, key: str, candidates: Sequence[Tiling],
+             prepare: Callable[[Tiling], Callable[[], Any]], device: torch.device) -> Tiling:
     distinct = list({describe(t): t for t in reversed(candidates)}.values())[::-1]
     timed = distinct[:max_candidates()]
-    with _lock:
-        stored = _read_file().get(key)
-    if isinstance(stored, dict):
-        match = next((t for t in candidates if describe(t) == stored.get("choice")), None)
-        if match is not None:
-            with _lock:
-                _records.append(TuningRecord(op, key, describe(match),
-                                             dict(stored.get("timings_us", {})), "file"))
-            return match
     timings: dict[str, float | str] = {}
     best, best_seconds = timed[0], math.inf
-    for tiling in timed:
-        name = describe(tiling)
-        try:
-            seconds = _seconds(prepare(tiling), device)
-        except OpError:
-            raise
-        except Exception as error:  # a variant that does not compile or launch here
-            message = str(error).splitlines()[0][:160] if str(error) else ""
-            timings[name] = type(error).__name__ + (f": {message}" if message else "")
-            continue
-        timings[name] = round(seconds * 1e6, 3)
-        if seconds < best_seconds:
-            best, best_seconds = tiling, seconds
+    # The profiler leaves this scope out of the operator's time, as a compilation.
+    with torch.profiler.record_function(f"opforge::autotune {op}"):
+        for tiling in timed:
+            name = describe(tiling)
+            try:
+                seconds = _seconds(prepare(tiling), device)
+            except OpError:
+                raise
+            except Exception as error:  # a variant that does not compile or launch here
+                message = str(error).splitlines()[0][:160] if str(error) else ""
+                timings[name] = type(error).__name__ + (f": {message}" if message else "")
+                continue
+            timings[name] = round(seconds * 1e6, 3)
+            if seconds < best_seconds:
+                best, best_seconds = tiling, seconds
     record = TuningRecord(op, key, describe(best), timings)
     with _lock:
-        _records.append(record)
+        _records.pop(key, None)
+        _records[key] = record
         if best_seconds < math.inf:
             _write_file(key, record)
     return best

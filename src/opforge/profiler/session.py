@@ -289,6 +289,11 @@ class Profile:
                 f"torch.compile compiled for {parsed.compile_us / 1e3:.1f} ms inside the "
                 "profile; the operators it ran on fake tensors are left out (profile after a "
                 "warm-up step)")
+        if parsed.autotune_us:
+            meta.notes.append(
+                f"opforge autotuned new tiling buckets for {parsed.autotune_us / 1e3:.1f} ms "
+                "inside the profile; the candidate runs are left out of the operators' times "
+                "(profile after a warm-up step)")
         core = device.type.upper()
         result = report.Report(meta, timeline.kernel_rows(parsed, core),
                                timeline.operator_rows(parsed), timeline.step_rows(parsed),

@@ -42,10 +42,12 @@ _COMMUNICATION = re.compile(r"nccl|gloo|hccl|c10d::|all_?reduce|all_?gather|redu
                             r"all_?to_?all|\b(?:i?send|i?recv|broadcast)\b", re.IGNORECASE)
 _WRAPPERS = ("autograd::", "torch::autograd", "Optimizer.")
 # torch.compile's timers around a compilation (``dynamo_timed`` events, recorded as
-# operators, and their ``..._data: compile_id=`` annotations): what runs inside (operators
-# on fake tensors, autotuning kernels) is compile-time work, not the run's.
+# operators, and their ``..._data: compile_id=`` annotations) and opforge's autotuning of a
+# new tiling bucket (``opforge::autotune <op>``): what runs inside (operators on fake
+# tensors, candidate kernels timed) is compile-time work, not the run's.
+_AUTOTUNE = re.compile(r"^opforge::autotune ")
 _COMPILATION = re.compile(r"\(dynamo_timed\)$|^(?:dynamo|entire_frame_compile|backend_compile)$"
-                          r"|compile_id=")
+                          r"|compile_id=|" + _AUTOTUNE.pattern)
 
 
 @dataclass(eq=False)
@@ -160,7 +162,12 @@ class Timeline:
     def compile_us(self) -> float:
         """Time spent compiling with torch.compile inside the profile."""
         return _length(_union((e.ts, e.end) for e in self.events
-                              if _COMPILATION.search(e.name)))
+                              if _COMPILATION.search(e.name) and not _AUTOTUNE.search(e.name)))
+
+    @property
+    def autotune_us(self) -> float:
+        """Time spent autotuning new tiling buckets inside the profile."""
+        return _length(_union((e.ts, e.end) for e in self.events if _AUTOTUNE.search(e.name)))
 
     @property
     def steps(self) -> list[Event]:
@@ -232,12 +239,21 @@ def _memory_event(event: Mapping[str, Any], start: float) -> MemoryEvent:
 
 def _callees(event: Event, layers: Sequence[str]) -> Iterable[Event]:
     """The events of ``layers`` that ``event`` calls: its children, and the first such
-    events below its framework children (Python frames with ``with_stack``, annotations)."""
+    events below its framework children (Python frames with ``with_stack``, annotations);
+    compilations are not looked into."""
     for child in event.children:
         if child.layer in layers:
             yield child
-        elif child.layer == "framework":
+        elif child.layer == "framework" and not _COMPILATION.search(child.name):
             yield from _callees(child, layers)
+
+
+def _compile_time(event: Event) -> float:
+    """Host µs of the compilations ``event`` runs (its autotuning; through framework
+    frames): time that is not the call's own."""
+    return sum(child.dur if _COMPILATION.search(child.name)
+               else _compile_time(child) if child.layer == "framework" else 0.0
+               for child in event.children)
 
 
 def _merge_annotations(events: list[Event], by_external: dict[Any, Event]) -> list[Event]:
@@ -304,8 +320,9 @@ def _cpu_kernels(events: Sequence[Event]) -> list[Event]:
             return
         if (event.layer == "operator" and not _is_wrapper(event)
                 and not _has_opforge_below(event)):
-            kernel = Event(event.name, event.cat, event.ts, event.dur, event.pid, event.tid,
-                           event.args, "kernel", record=event.record, owner=event)
+            kernel = Event(event.name, event.cat, event.ts, event.dur - _compile_time(event),
+                           event.pid, event.tid, event.args, "kernel", record=event.record,
+                           owner=event)
             kernels.append(kernel)
             return
         for child in event.children:
@@ -422,13 +439,14 @@ def operator_rows(timeline: Timeline) -> list[OperatorRow]:
     rows = []
     for op in sorted(timeline.operators, key=lambda e: e.ts):
         children = sum(c.dur for c in _callees(op, ("operator", "runtime")))
+        own = op.dur - _compile_time(op)
         device_self = sum(k.dur for k in op.kernels)
         device_total = sum(k.dur for e in op.subtree() for k in e.kernels)
         cost = _cost(op)
         record = op.record or {}
         shapes, _ = _inputs(op)
         rows.append(OperatorRow(
-            op.name, shapes, _call_stack(op), max(0.0, op.dur - children), op.dur,
+            op.name, shapes, _call_stack(op), max(0.0, own - children), own,
             device_self, device_total, record.get("backend", ""), record.get("tiling", ""),
             "x".join(str(g) for g in record.get("grid", ())), cost[0] if cost else None,
             cost[1] if cost else None))
