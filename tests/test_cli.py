@@ -255,6 +255,19 @@ def test_doctor_reports_a_bad_backend_setting_and_what_cpu_tensors_get(monkeypat
     assert "refused: CPU tensors need TRITON_INTERPRET=1" in capsys.readouterr().out
 
 
+def test_doctor_reports_the_autotuning_setting_and_its_file(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_text('{"a | b": {"choice": "x", "timings_us": {}}}')
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", "on")
+    assert main(["doctor"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "autotuning (OPFORGE_AUTOTUNE) │ True" in out and "(1 choices)" in out
+    monkeypatch.setenv("OPFORGE_AUTOTUNE", "maybe")
+    assert main(["doctor"]) == 0
+    assert "invalid: OPFORGE_AUTOTUNE='maybe'" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cpu_verification_restarts_with_the_interpreter_also_beside_a_gpu(monkeypatch):
     from opforge import cli
 

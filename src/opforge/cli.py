@@ -219,8 +219,11 @@ def _autotune_rows() -> list[tuple[str, str]]:
     stored = "none (OPFORGE_AUTOTUNE_CACHE is empty)" if path is None else str(path)
     if path is not None and path.exists():
         stored += f" ({autotune.stored_count()} choices)"
-    return [("autotuning (OPFORGE_AUTOTUNE)", str(autotune.autotune_enabled())),
-            ("  choices file", stored)]
+    try:
+        setting = str(autotune.environment_setting())
+    except ValueError as error:
+        setting = f"invalid: {error}"
+    return [("autotuning (OPFORGE_AUTOTUNE)", setting), ("  choices file", stored)]
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

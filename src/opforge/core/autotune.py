@@ -84,7 +84,12 @@ _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _environment: list[bool] = []  # OPFORGE_AUTOTUNE, once read
 
 
-def _from_environment() -> bool:
+def environment_setting() -> bool:
+    """``OPFORGE_AUTOTUNE`` read now: on or off.
+
+    Raises:
+        ValueError: the value is not an on/off word.
+    """
     text = os.environ.get("OPFORGE_AUTOTUNE", "").strip().lower()
     if text not in _ON + _OFF:
         raise ValueError(f"OPFORGE_AUTOTUNE={os.environ['OPFORGE_AUTOTUNE']!r}: expected one "
@@ -103,7 +108,7 @@ def autotune_enabled() -> bool:
     if stack:
         return stack[-1]
     if not _environment:
-        _environment.append(_from_environment())
+        _environment.append(environment_setting())
     return _environment[0]
 
 
@@ -124,7 +129,7 @@ def set_autotune(enabled: bool | None) -> None:
     """
     _outside_compilation("set_autotune")
     if enabled is None:
-        _environment[:] = [_from_environment()]
+        _environment[:] = [environment_setting()]
     _state.stack = [] if enabled is None else [bool(enabled)]
 
 
