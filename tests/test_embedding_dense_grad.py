@@ -8,6 +8,7 @@ import torch
 
 import opforge
 import opforge.nn
+from opforge.core import backends
 from opforge.ops.embedding_dense_grad import use_deterministic, zipf_indices
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
@@ -97,11 +98,28 @@ def test_out_of_range_indices_raise_when_the_table_is_empty(num_weights, width, 
         opforge.embedding_dense_grad(grad, indices, num_weights)
 
 
-def test_padding_index_may_lie_outside_the_table_check():
+def test_padding_index_may_lie_outside_the_table_check(backend):
+    """Positions at padding_idx are skipped before the range check: padding 39 in a table
+    of 40 rows, and padding 0 of an empty table (aten gives the empty gradient too)."""
     grad, indices = _data(positions=10, seed=6)
     indices[2] = 39
     out = opforge.embedding_dense_grad(grad, indices, 40, padding_idx=39)
     assert (out[39] == 0).all()
+    empty = opforge.embedding_dense_grad(grad[:3], torch.zeros(3, dtype=torch.long,
+                                                               device=DEVICE), 0, padding_idx=0)
+    assert empty.shape == (0, grad.shape[1])
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"] if backends.interpreter_enabled()
+                         else ["torch"])
+def test_check_range_false_still_checks_off_the_gpu(backend_name):
+    """check_range=False skips the host check on CUDA only: elsewhere (the CPU, the
+    interpreter) an index past the table is still an IndexRangeError, never a write
+    outside it."""
+    grad = torch.ones(3, 4)
+    indices = torch.tensor([0, 1, 40])
+    with opforge.use_backend(backend_name), pytest.raises(opforge.IndexRangeError):
+        opforge.embedding_dense_grad(grad, indices, 40, check_range=False, deterministic=True)
 
 
 def test_shape_mismatch_raises():

@@ -110,6 +110,30 @@ def test_minus_inf_and_nan_logits(backend):
     assert 4 not in sig_idx[0].tolist() and torch.isfinite(sig_y).all()
 
 
+@pytest.mark.parametrize("layout", ["transposed_x", "strided_bias", "nan_bias", "eps"])
+def test_any_input_layout_and_eps_match_the_golden(layout, backend):
+    """Column-strided logits, a strided bias, a NaN bias entry (NaN scores rank below every
+    number, whatever the NaN's sign) and an eps large enough to show in the renormalised
+    weights ``w / (sum(w) + eps)``: the golden's experts and weights."""
+    x = _logits(16, 8, seed=9).t() if layout == "transposed_x" else _logits(6, 8, seed=9)
+    bias = _logits(1, 16, seed=10)[0, ::2] if layout == "strided_bias" else None
+    if layout == "nan_bias":
+        bias = torch.zeros(8, device=DEVICE)
+        bias[x[0].argmax()] = float("nan")
+    attrs = {"k": 2, "norm_type": 1, "eps": 0.5 if layout == "eps" else 1e-20}
+    y, idx, _ = opforge.moe_gating_top_k(x, bias=bias, **attrs)
+    golden_y, golden_idx, _ = GATING.reference_fn(
+        x, bias, compute_dtype=torch.float64, **GATING.bind_attrs(attrs))
+    assert torch.equal(idx.long().cpu(), golden_idx.long().cpu())
+    assert (y.double() - golden_y).abs().max() < 1e-6
+    if layout == "nan_bias":
+        assert int(x[0].argmax()) not in idx[0].tolist()
+    if layout == "eps":
+        chosen = torch.sigmoid(x.double()).gather(1, idx.long())
+        expected = chosen / (chosen.sum(-1, keepdim=True) + 0.5)
+        assert (y.double() - expected).abs().max() < 1e-6
+
+
 @pytest.mark.parametrize("attrs, param", [
     ({"k": 9}, "k"),
     ({"k": 2, "group_count": 3}, "group_count"),
@@ -126,6 +150,12 @@ def test_constraints_are_checked_in_plan(attrs, param):
 
 
 def test_bad_inputs():
+    with pytest.raises(opforge.ShapeError, match="expert count"):
+        opforge.moe_gating_top_k(_logits(2, 8193), 1)
+    with pytest.raises(opforge.ShapeError, match="finished"):
+        opforge.moe_gating_top_k_softmax(
+            _logits(6, 10).view(2, 3, 10), torch.zeros(3, 2, dtype=torch.bool, device=DEVICE),
+            2)
     with pytest.raises(opforge.ShapeError):
         opforge.moe_gating_top_k(_logits(2, 8).view(2, 2, 4), 1)
     with pytest.raises(opforge.ShapeError):
@@ -136,7 +166,7 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("attrs", [{"norm_type": 1, "routed_scaling_factor": 1.5},
                                    {"norm_type": 0, "renorm": 1, "out_flag": True},
-                                   {"norm_type": 0}])
+                                   {"norm_type": 0}, {"norm_type": 1, "eps": 0.5}])
 def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     x = _logits(5, 16, seed=4)
     leaf = x.clone().requires_grad_()
@@ -148,7 +178,7 @@ def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     scores = wide.sigmoid() if attrs["norm_type"] == 1 else wide.softmax(-1)
     weights = scores.gather(1, idx.long())
     if attrs["norm_type"] == 1 or attrs.get("renorm"):
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(-1, keepdim=True) + attrs.get("eps", 1e-20))
     expected_loss = (weights * attrs.get("routed_scaling_factor", 1.0) * upstream).sum()
     if attrs.get("out_flag"):
         expected_loss = expected_loss + scores.sum()

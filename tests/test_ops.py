@@ -182,6 +182,9 @@ def test_reduce_sum_semantics_of_dims(backend):
     assert opforge.reduce_sum(scalar).item() == 2.5
     for dims in (0, -1, [0]):  # a 0-d tensor's dim 0, as torch.sum allows
         assert opforge.reduce_sum(scalar, dims).item() == 2.5
+        leaf = scalar.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(opforge.reduce_sum(leaf, dims, False, 3.0), leaf)
+        assert grad.shape == () and grad.item() == 3.0
 
 
 # ---------------------------------------------------------------------------------------------

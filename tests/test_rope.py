@@ -110,6 +110,36 @@ def test_gradient_is_the_exact_transpose(mode, backend):
         assert (mine.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tables_hold_the_standard_frequencies(mode):
+    """rope_tables' angles are ``position * base^(-2i / dim)`` (i the pair index), laid out
+    as the mode reads them: repeated halves, or each angle twice in a row."""
+    positions = torch.tensor([0.0, 1.0, 7.0])
+    cos, sin = rope_tables(positions, 8, mode, base=100.0)
+    pairs = positions.double()[:, None] * 100.0 ** (-torch.arange(4).double() * 2 / 8)
+    layout = (pairs.repeat_interleave(2, -1) if mode == "interleave"
+              else torch.cat([pairs, pairs], -1))
+    assert torch.allclose(cos.double(), layout.cos(), atol=1e-7)
+    assert torch.allclose(sin.double(), layout.sin(), atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tables", ["wide_head", "sin_row_strided", "column_strided"])
+def test_any_table_layout_matches_the_golden(mode, tables, backend):
+    """Heads wider than one column tile (2050 > 1024 columns), a sin table whose rows are
+    further apart than cos's, and tables with a column stride: every column is computed
+    from the right table entries."""
+    d = 2050 if tables == "wide_head" else 8
+    x = _x(3, d)
+    cos, sin = _x(3, d, seed=1), _x(3, d, seed=2)
+    if tables == "sin_row_strided":
+        sin = torch.cat([sin, torch.zeros_like(sin)], -1)[:, :d]
+    elif tables == "column_strided":
+        cos, sin = cos.t().contiguous().t(), sin.t().contiguous().t()
+    out = opforge.rope(x, cos, sin, mode)
+    assert_golden(ROPE, Case(tables, (x, cos, sin), {"mode": mode}), out)
+
+
 def test_gradcheck_in_float64():
     x = _x(2, 6).double().requires_grad_()
     cos, sin = (_x(6, seed=seed).double().requires_grad_() for seed in (1, 2))
@@ -126,5 +156,7 @@ def test_errors_come_before_any_kernel():
         opforge.rope(_x(3, 6), _x(6), _x(3, 6))
     with pytest.raises(opforge.ShapeError):
         opforge.rope(_x(3, 6), _x(4, 6), _x(4, 6))
+    with pytest.raises(opforge.ShapeError, match="broadcast to x's shape"):
+        opforge.rope(_x(3, 6), _x(2, 3, 6), _x(2, 3, 6))  # more dims than x
     with pytest.raises(opforge.AttrError, match="mode"):
         opforge.rope(_x(3, 6), _x(6), _x(6), "neox")

@@ -163,16 +163,28 @@ def test_saved_statistics_must_have_the_forward_dtype():
     assert raised.value.param == "lse"
 
 
+@pytest.mark.parametrize("a_shape, b_shape", [((33, 1, 7), (5, 1)), ((4, 6), (4, 6))],
+                         ids=["broadcast", "same_shape"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_broadcast_add_backward_against_golden(dtype, backend):
+def test_broadcast_add_backward_against_golden(dtype, a_shape, b_shape, backend):
+    """grad_a sums the upstream gradient over a's broadcast dims, grad_b does the same
+    times alpha: also when nothing is broadcast (alpha is still applied)."""
     generator = torch.Generator().manual_seed(5)
-    a = torch.randn(33, 1, 7, generator=generator).to(DEVICE, dtype).requires_grad_()
-    b = torch.randn(5, 1, generator=generator).to(DEVICE, dtype).requires_grad_()
-    grad = torch.randn(33, 5, 7, generator=generator).to(DEVICE, dtype)
+    a = torch.randn(a_shape, generator=generator).to(DEVICE, dtype).requires_grad_()
+    b = torch.randn(b_shape, generator=generator).to(DEVICE, dtype).requires_grad_()
+    out_shape = torch.broadcast_shapes(a_shape, b_shape)
+    grad = torch.randn(out_shape, generator=generator).to(DEVICE, dtype)
     opforge.broadcast_add(a, b, 0.5).backward(grad)
     wide = grad.double().cpu()
-    golden_a, golden_b = wide.sum(1, keepdim=True), 0.5 * wide.sum((0, 2)).reshape(5, 1)
-    scale_a, scale_b = wide.abs().sum(1, keepdim=True), 0.5 * wide.abs().sum((0, 2)).reshape(5, 1)
+
+    def summed(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        padded = (1,) * (len(out_shape) - len(shape)) + shape
+        dims = [i for i, (p, o) in enumerate(zip(padded, out_shape)) if p == 1 and o != 1]
+        dims += list(range(len(out_shape) - len(shape)))
+        return values.sum(sorted(set(dims)), keepdim=True).reshape(shape) if dims else values
+
+    golden_a, golden_b = summed(wide, a_shape), 0.5 * summed(wide, b_shape)
+    scale_a, scale_b = summed(wide.abs(), a_shape), 0.5 * summed(wide.abs(), b_shape)
     assert a.grad.dtype == dtype and b.grad.dtype == dtype
     for got, golden, scale in [(a.grad, golden_a, scale_a), (b.grad, golden_b, scale_b)]:
         assert compare_tensors(got, golden, scale=scale).max_eps <= EPS_BOUNDS[dtype]

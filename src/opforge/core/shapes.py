@@ -116,8 +116,3 @@ def numel(shape: Sequence[int]) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-def is_static(shape: Sequence[int]) -> bool:
-    """True when every dim is a known, non-symbolic size."""
-    return all(isinstance(d, int) and d >= 0 for d in shape)
