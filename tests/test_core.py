@@ -4,7 +4,9 @@ hardware profiles."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from fractions import Fraction
 from unittest import mock
 
 import pytest
@@ -20,6 +22,15 @@ from opforge.core.shapes import (
     broadcast_shapes,
     normalize_dim,
     normalize_dims,
+)
+from opforge.core.tiling import (
+    INT32_LIMIT,
+    cdiv,
+    gpu_warps,
+    next_power_of_2,
+    split_steps,
+    wide_offsets,
+    work_splits,
 )
 
 from .conftest import assert_golden
@@ -47,20 +58,46 @@ def fresh_caches():
     ((-2,), (3, 4), UNKNOWN_RANK),   # unknown rank wins
 ])
 def test_broadcast_shapes(a, b, out):
+    """Broadcasting gives the expected shape whichever operand comes first."""
     assert broadcast_shapes(a, b) == out
+    assert broadcast_shapes(b, a) == out
 
 
-def test_broadcast_dims_lists_padded_and_stretched_dims():
-    assert broadcast_dims((4,), (2, 3, 4)) == (0, 1)
-    assert broadcast_dims((3, 1), (2, 3, 4)) == (0, 2)
-    assert broadcast_dims((2, 3, 4), (2, 3, 4)) == ()
+@pytest.mark.parametrize("shape, out_shape, dims", [
+    ((4,), (2, 3, 4), (0, 1)),           # padded on the left
+    ((3, 1), (2, 3, 4), (0, 2)),         # padded, and a 1 stretched to 4
+    ((2, 3, 4), (2, 3, 4), ()),
+    ((1, 4), (1, 4), ()),                # a 1 that stays 1 is not stretched
+    ((2, 1), (3, 2, 1), (0,)),
+    ((1, 1, 5), (1, 3, 5), (1,)),
+])
+def test_broadcast_dims_lists_padded_and_stretched_dims(shape, out_shape, dims):
+    """broadcast_dims names exactly the dims a gradient must be summed over: summing a
+    gradient of out_shape over them (keepdim) gives a tensor that views as shape."""
+    assert broadcast_dims(shape, out_shape) == dims
+    grad = torch.ones(out_shape)
+    summed = grad.sum(dim=dims, keepdim=True) if dims else grad
+    assert summed.reshape(shape).shape == torch.Size(shape)
+    assert summed.numel() == torch.Size(shape).numel()
 
 
 def test_dim_normalisation():
+    """Dims map into [0, rank), sorted; out-of-range and repeated dims are AttrErrors."""
     assert normalize_dim(-1, 3) == 2 and normalize_dim(0, 0) == 0
     assert normalize_dims((2, -3), 3) == (0, 2)
     with pytest.raises(opforge.AttrError, match=r"\[-3, 2\]"):
         normalize_dim(3, 3, op="x")
+    for repeated in ((1, 1), (2, -1), (0, 2, -3)):
+        with pytest.raises(opforge.AttrError, match="more than once"):
+            normalize_dims(repeated, 3)
+
+
+def test_repeated_reduction_dims_are_rejected_in_plan():
+    """reduce_sum over the same dim named twice is an AttrError from plan, naming the
+    operator and the parameter, before any kernel."""
+    with pytest.raises(opforge.AttrError, match="more than once") as raised:
+        opforge.plan("reduce_sum", torch.ones(2, 3), dims=(1, -1))
+    assert raised.value.param == "dims" and "reduce_sum" in str(raised.value)
 
 
 def test_infer_shape_accepts_unknown_dims_and_rank():
@@ -356,3 +393,76 @@ def test_auto_falls_back_to_torch_when_no_tiling_fits(monkeypatch, caplog):
         assert (plan.backend, plan.tiling) == ("torch", None)
         assert "no tiling fits the tiny on-chip memory" in caplog.text
         assert_golden(plan.op, Case("fallback", (x,)), plan.run(x))
+
+
+# -- tiling arithmetic ------------------------------------------------------------------------
+
+def test_cdiv_and_next_power_of_2_match_their_definitions():
+    """cdiv is the ceiling of a / b (exact multiples and 0 included); next_power_of_2 is
+    the smallest power of two >= n (1 for n <= 1)."""
+    for a in range(70):
+        for b in range(1, 10):
+            assert cdiv(a, b) == math.ceil(Fraction(a, b)), (a, b)
+    for n in range(-1, 1100):
+        power = next_power_of_2(n)
+        assert power & (power - 1) == 0 and power >= n, n
+        assert power == 1 or power // 2 < n, n
+
+
+def test_split_steps_counts_only_slices_that_hold_steps():
+    """split_steps(steps, splits) = (steps a slice holds, slices used): at most ``splits``
+    slices of whole steps that cover every step, and none of them empty."""
+    for steps in (1, 2, 7, 8, 9, 100):
+        for splits in (1, 2, 3, 5, 8, 200):
+            per, used = split_steps(steps, splits)
+            assert per == math.ceil(Fraction(steps, splits)), (steps, splits)
+            assert used <= splits and per * used >= steps, (steps, splits)
+            assert per * (used - 1) < steps, (steps, splits)   # the last slice holds a step
+
+
+def test_gpu_warps_keep_about_16_values_a_thread_within_4_to_32_warps():
+    """On CUDA, warps are next_power_of_2(elements) / (32 threads x 16 values), clamped to
+    [4, 32]; other devices get None (no warps there)."""
+    cuda = get_profile("h100")
+    for elements in (1, 100, 2048, 4096, 4097, 8192, 16384, 1 << 20):
+        expected = min(32, max(4, next_power_of_2(elements) // (32 * 16)))
+        assert gpu_warps(elements, cuda) == expected, elements
+    assert gpu_warps(16384, cuda) == 32 and gpu_warps(1 << 20, cuda) == 32
+    assert gpu_warps(16384, profile_for("cpu")) is None
+    assert gpu_warps(16384, get_profile("ascend910b")) is None
+
+
+def test_work_splits_fill_idle_cores_with_slices_of_at_least_min_steps():
+    """work_splits is 1 on the CPU and once the programs fill busy_share of the cores;
+    otherwise enough slices for two programs a core, each at least min_steps steps."""
+    gpu = get_profile("h100")
+    cores = gpu.core_count
+    assert work_splits(1, 10_000, profile_for("cpu")) == 1
+    for programs in (cores, cores + 1, 2 * cores):
+        assert work_splits(programs, 10_000, gpu) == 1, programs
+    assert work_splits(cores // 2, 10_000, gpu, busy_share=0.5) == 1
+    assert work_splits(1, 10_000, gpu) == 2 * cores
+    assert work_splits(1, 4, gpu) == 1          # a 4-step loop is one slice of min_steps
+    for programs in (1, 2, 7, cores - 1):
+        for steps in (0, 3, 4, 7, 64, 10_000):
+            splits = work_splits(programs, steps, gpu)
+            assert splits == max(1, min(math.ceil(Fraction(2 * cores, programs)),
+                                        steps // 4)), (programs, steps)
+            assert splits == 1 or steps // splits >= 4, (programs, steps)
+
+
+def test_wide_offsets_switch_when_the_reach_passes_int32():
+    """wide_offsets is true when 1 + sum((size - 1) * |stride|) of some tensor (its element
+    count when contiguous) exceeds INT32_LIMIT = 2^31 - 1 (meta tensors: no memory)."""
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.int8, device="meta")
+
+    assert INT32_LIMIT == 2**31 - 1
+    assert not wide_offsets(meta(2**31 - 1)) and wide_offsets(meta(2**31))
+    every_second = meta(2**31)[::2]           # 2^30 elements, last offset 2^31 - 2
+    assert not every_second.is_contiguous() and not wide_offsets(every_second)
+    assert wide_offsets(meta(2**31 + 2)[::2])  # last offset 2^31
+    transposed = meta(2**16, 2**15).t()       # last offset 2^31 - 1: reach 2^31
+    assert not transposed.is_contiguous() and wide_offsets(transposed)
+    assert wide_offsets(meta(4), meta(2**31)) and not wide_offsets(meta(4), every_second)

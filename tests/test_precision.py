@@ -3,12 +3,13 @@ with passing and failing examples."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from opforge.precision import compare_tensors, judge
+from opforge.precision import CATEGORIES, Metrics, compare_tensors, judge
 
 F32_EPS = 2.0**-23
 
@@ -171,3 +172,219 @@ def test_dtypes_without_metrics_are_typed_errors(actual, golden):
 
     with pytest.raises(DtypeError, match="no precision metrics"):
         compare_tensors(actual, golden)
+
+
+# -- documented values (docs/precision.md), restated so that a change to the code's tables fails
+
+# Small value and its absolute tolerance, msprobe's absolute-threshold table.
+DOC_SMALL_VALUES = {torch.float32: (2.0**-20, 1e-9), torch.float16: (2.0**-10, 1e-5),
+                    torch.bfloat16: (2.0**-10, 1e-5)}
+DOC_RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+DOC_ULP_THRESHOLD = {torch.float32: 32, torch.float16: 1, torch.bfloat16: 1}
+DOC_LEVEL_LIMITS = {
+    "L0": {"max_rel": 10, "mean_rel": 2, "rmse": 2, "small_value": 2, "eb": 2},
+    "L1": {"max_rel": 5, "mean_rel": 1.5, "rmse": 1.5, "small_value": 2, "eb": 2},
+    "L2": {"max_rel": 2, "mean_rel": 1.2, "rmse": 1.2, "small_value": 2, "eb": 2},
+}
+LOW = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _spacing(value: float, dtype: torch.dtype) -> float:
+    """The gap from ``value`` (representable in ``dtype``) up to the next value of ``dtype``."""
+    v = torch.tensor([value], dtype=dtype)
+    return float(torch.nextafter(v, torch.full_like(v, math.inf)).double() - v.double())
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("where", ["one", "below_one", "subnormal"])
+def test_ulp_error_counts_steps_of_the_dtype(dtype, where):
+    """One step of the dtype's spacing at the golden is one ULP, for subnormal goldens too
+    (the min exponent); the over-threshold share counts errors strictly above 32 ULP
+    (float32) or 1 ULP (float16, bfloat16)."""
+    smallest = _spacing(0.0, dtype)
+    golden_value = {"one": 1.5, "below_one": 1.5 * 2.0**-9, "subnormal": 64 * smallest}[where]
+    assert where != "subnormal" or golden_value < torch.finfo(dtype).tiny
+    threshold = DOC_ULP_THRESHOLD[dtype]
+    steps = torch.tensor([0, threshold, threshold + 1, -(threshold + 1)], dtype=torch.float64)
+    golden = torch.full((4,), golden_value, dtype=torch.float64)
+    wanted = golden + steps * _spacing(golden_value, dtype)
+    actual = wanted.to(dtype)
+    assert torch.equal(actual.double(), wanted)   # every value exactly representable
+    m = compare_tensors(actual, golden)
+    assert m.max_ulp == threshold + 1
+    assert m.mean_ulp == pytest.approx(float(steps.abs().mean()), rel=1e-12)
+    assert m.ulp_over_threshold_ratio == 0.5      # the two at threshold + 1, not the one at it
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_small_value_rule_judges_goldens_below_the_small_value_by_absolute_error(dtype):
+    """Goldens below the small value (2^-20 float32, 2^-10 16-bit) are judged by absolute
+    error against its tolerance, not by relative error; a golden at the small value is
+    normal-sized."""
+    small, atol = DOC_SMALL_VALUES[dtype]
+    golden = torch.tensor([0.75 * small, 0.75 * small, small, 1.0], dtype=torch.float64)
+
+    within = (golden + torch.tensor([0.25 * atol, 0.25 * atol, 0.0, 0.0],
+                                    dtype=torch.float64)).to(dtype)
+    m = compare_tensors(within, golden)
+    rel = (within.double() - golden).abs() / golden
+    assert float(rel.max()) > DOC_RTOL[dtype]     # a relative error the rtol would fail...
+    assert m.max_rel == pytest.approx(float(rel.max()), rel=1e-12)
+    assert m.max_rel_normal == 0.0                # ...only on small goldens: excluded
+    assert m.small_value_error_ratio == 0.0
+    assert judge(m, dtype, "absolute").status == "pass"
+
+    beyond = (golden + torch.tensor([2 * atol, 0.25 * atol, 2 * atol, 0.0],
+                                    dtype=torch.float64)).to(dtype)
+    diff = (beyond.double() - golden).abs()
+    assert atol < diff[0] < 3 * atol and diff[1] <= atol   # the rounding kept the intent
+    m = compare_tensors(beyond, golden)
+    assert m.small_value_error_ratio == 0.25      # the first only: the third is not small
+    assert m.max_rel_normal == pytest.approx(float(diff[2] / small), rel=1e-12)
+    verdict = judge(m, dtype, "absolute")
+    assert verdict.status == "error" and any("below" in r for r in verdict.reasons)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("where", ["one", "below_one", "below_small"])
+def test_max_eps_is_the_error_in_eps_of_the_golden(dtype, where):
+    """max_eps = |a - g| / (eps * max(scale, small)), scale |g| by default: pins the bound
+    every golden test asserts (one step at 1.5 is 2/3 eps, not 1/16 of that)."""
+    small = DOC_SMALL_VALUES[dtype][0]
+    eps = torch.finfo(dtype).eps
+    golden_value = {"one": 1.5, "below_one": 1.5 * 2.0**-9, "below_small": 0.25 * small}[where]
+    golden = torch.tensor([golden_value, golden_value], dtype=torch.float64)
+    actual = (golden + torch.tensor([3.0, 0.0], dtype=torch.float64)
+              * _spacing(golden_value, dtype)).to(dtype)
+    diff = float((actual.double() - golden).abs().max())
+    assert diff > 0
+    m = compare_tensors(actual, golden)
+    assert m.max_eps == pytest.approx(diff / (eps * max(golden_value, small)), rel=1e-12)
+    scaled = compare_tensors(actual, golden, scale=torch.full((2,), 8.0))
+    assert scaled.max_eps == pytest.approx(diff / (eps * 8.0), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_correctly_rounded_results_stay_within_half_an_eps(dtype):
+    """Rounding the golden to the dtype gives max_eps in (0.25, 0.5]: the bound is tight."""
+    generator = torch.Generator().manual_seed(5)
+    golden = torch.randn(1000, generator=generator, dtype=torch.float64) * torch.pow(
+        2.0, torch.randint(-12, 4, (1000,), generator=generator).double())
+    m = compare_tensors(golden.to(dtype), golden)
+    assert 0.25 < m.max_eps <= 0.5
+
+
+@pytest.mark.parametrize("field, t", [
+    ("hundredth_ratio", 1e-2), ("thousandth_ratio", 1e-3),
+    ("five_thousandths_ratio", 5e-3), ("ten_thousandth_ratio", 1e-4)])
+def test_dual_ratios_count_relative_errors_strictly_under_t(field, t):
+    """Each dual-t ratio is the share of elements with relative error < t: an error of
+    exactly t does not count."""
+    golden = torch.full((2,), 10_000.0, dtype=torch.float64)
+    off = 10_000 * t                                # an integer: exact in float32
+    actual = torch.tensor([10_000 + off, 10_000 + off - 1], dtype=torch.float32)
+    assert (actual.double()[0] - golden[0]) / golden[0] == t
+    assert getattr(compare_tensors(actual, golden), field) == 0.5
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_absolute_standard_fails_relative_errors_above_rtol(dtype):
+    """The absolute standard errs when a normal-sized golden's relative error exceeds rtol
+    (float32 1e-6, float16 1e-3, bfloat16 4e-3), and passes just under it."""
+    rtol = DOC_RTOL[dtype]
+    actual = torch.ones(2, dtype=dtype)
+    for factor, status in ((0.5, "pass"), (1.5, "error")):
+        golden = torch.tensor([1 / (1 + factor * rtol), 1.0], dtype=torch.float64)
+        m = compare_tensors(actual, golden)
+        assert m.max_rel_normal == pytest.approx(factor * rtol, rel=1e-9)
+        assert judge(m, dtype, "absolute").status == status
+
+
+@pytest.mark.parametrize("ulps, status", [
+    ([40] * 100, "pass"),                  # every element above 32 ULP, but the mean 40 < 64
+    ([70] * 100, "error"),                 # mean 70, share 1
+    ([2000] * 4 + [0] * 96, "pass"),       # mean 80, but the share 0.04 < 0.05
+    ([2000] * 5 + [0] * 95, "error"),      # share 0.05 is not under 0.05, mean 100
+], ids=["mean_40", "mean_70", "share_4pc", "share_5pc"])
+def test_float32_ulp_standard_passes_on_the_mean_or_the_share(ulps, status):
+    """float32 passes the ULP standard when the mean ULP error is under 64 or under 5% of
+    elements exceed 32 ULP."""
+    golden = torch.full((len(ulps),), 1.5, dtype=torch.float64)
+    actual = (golden + torch.tensor(ulps, dtype=torch.float64) * F32_EPS).float()
+    m = compare_tensors(actual, golden)
+    assert m.mean_ulp == pytest.approx(sum(ulps) / len(ulps), rel=1e-12)
+    assert judge(m, torch.float32, "ulp").status == status
+
+
+def test_dual_thousandth_small_errors_pass_on_max_abs():
+    """Max abs error < 0.001 passes dual_thousandth outright (after the cosine gate), even
+    when no element meets the dual-1000 ratio; the same relative error on larger values
+    fails."""
+    for low, status in ((1e-4, "pass"), (1.0, "error")):
+        golden = torch.linspace(low, 2 * low, 1000, dtype=torch.float64)
+        m = compare_tensors((golden * 1.01).float(), golden)
+        assert m.thousandth_ratio == 0.0 and m.cosine > 0.99
+        assert judge(m, torch.float32, "dual_thousandth").status == status
+
+
+@pytest.mark.parametrize("dtype, t", [(torch.float32, 1e-3), (torch.float16, 1e-2),
+                                      (torch.bfloat16, 1e-2)], ids=str)
+def test_dual_share_must_exceed_one_minus_t(dtype, t):
+    """The dual-t share must be > 1 - t: exactly 1 - t is an error (t = 1‰ for float32,
+    1% for 16-bit), one element fewer off passes to the warning level."""
+    n = 10_000
+    golden = torch.linspace(1, 2, n, dtype=torch.float64)
+    for off, status in ((round(n * t), "error"), (round(n * t) - 1, "warning")):
+        noisy = golden.clone()
+        noisy[:off] *= 1 + 5 * t
+        m = compare_tensors(noisy.to(dtype), golden)
+        share = {1e-3: m.thousandth_ratio, 1e-2: m.hundredth_ratio}[t]
+        assert share == (n - off) / n
+        assert judge(m, dtype, "dual_thousandth").status == status
+
+
+def test_dual_thousandth_cosine_gate_comes_first():
+    """Cosine <= 0.99 is an error even when max abs error < 0.001 would pass."""
+    golden = torch.linspace(-1e-5, 1e-5, 1000, dtype=torch.float64)
+    actual = golden.float()
+    actual[:500] = 0                                # half the signal lost: cosine 1/sqrt(2)
+    m = compare_tensors(actual, golden)
+    assert m.cosine == pytest.approx(1 / math.sqrt(2), rel=1e-3) and m.max_abs < 1e-3
+    verdict = judge(m, torch.float32, "dual_thousandth")
+    assert verdict.status == "error" and "cosine" in verdict.reasons[0]
+    for cosine, status in ((0.99, "error"), (0.995, "pass")):
+        gated = dataclasses.replace(m, cosine=cosine)
+        assert judge(gated, torch.float32, "dual_thousandth").status == status
+
+
+@pytest.mark.parametrize("level", sorted(DOC_LEVEL_LIMITS))
+def test_benchmark_ratio_limits_per_level(level):
+    """Each benchmark ratio (opforge's error over the peer's) passes at 0.9x its level's
+    limit and fails at 1.1x, naming the ratio."""
+    fields = {"max_rel": "max_rel", "mean_rel": "mean_rel", "rmse": "rmse",
+              "small_value": "small_value_error_ratio", "eb": "error_balance"}
+    # Peer errors of 0.01, far above every floor (min_err 2^-14, 3/sqrt(n) = 0.003).
+    peer = Metrics(count=10**6, golden_rms=1.0,
+                   **{field: 0.01 for field in fields.values()})
+    assert judge(peer, torch.float32, "benchmark_ratio", peer=peer, level=level).passed
+    for name, limit in DOC_LEVEL_LIMITS[level].items():
+        for factor, status in ((0.9, "pass"), (1.1, "error")):
+            ours = dataclasses.replace(peer, **{fields[name]: 0.01 * limit * factor})
+            verdict = judge(ours, torch.float32, "benchmark_ratio", peer=peer, level=level)
+            assert verdict.status == status, (name, factor, verdict.reasons)
+            if status == "error":
+                assert [r.split()[0] for r in verdict.reasons] == [name]
+
+
+@pytest.mark.parametrize("category", CATEGORIES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_inf_mismatch_is_an_error_in_every_category(category, bad):
+    """A NaN or Inf where the golden is finite fails every standard, even when every
+    finite element is exact."""
+    golden = torch.ones(8, dtype=torch.float64)
+    clean = compare_tensors(golden.float(), golden)
+    assert judge(clean, torch.float32, category, peer=clean).passed
+    actual = golden.float()
+    actual[3] = bad
+    verdict = judge(compare_tensors(actual, golden), torch.float32, category, peer=clean)
+    assert verdict.status == "error" and "NaN/Inf" in verdict.reasons[0]
