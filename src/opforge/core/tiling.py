@@ -47,7 +47,8 @@ def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps:
 
 def split_steps(steps: int, splits: int) -> tuple[int, int]:
     """(block steps a slice holds, slices that hold any) of ``steps`` steps cut into at
-    most ``splits`` slices of whole steps."""
+    most ``splits`` slices of whole steps; no steps is one (empty) slice, so that a grid
+    keeps a program."""
     per_split = cdiv(steps, max(1, splits))
     return per_split, cdiv(steps, per_split) if steps else 1
 
@@ -71,9 +72,10 @@ def launch_options(tiling: object) -> dict[str, int]:
 
 
 def wide_offsets(*tensors: Any) -> bool:
-    """Whether a kernel addressing these tensors through their strides computes an element
-    offset past int32 (its ``WIDE`` switch to int64 offsets): 1 + sum of (size - 1) *
-    |stride| over the dims of some tensor exceeds `INT32_LIMIT`. A contiguous tensor's
+    """Whether a kernel addressing these tensors through their strides needs int64 element
+    offsets (its ``WIDE`` switch): when the reach of some tensor, 1 + sum of (size - 1) *
+    |stride| over its dims, exceeds `INT32_LIMIT` (one element of margin over the largest
+    offset). A contiguous tensor's
     reach is its element count (the common case, without a loop over dims)."""
     for tensor in tensors:
         if tensor.is_contiguous():
