@@ -116,6 +116,40 @@ print(sorted(names[i] for (i,) in variant.attrs))
 """
 
 
+_CANDIDATES_PROBE = """
+import os, torch, opforge
+from opforge.aot import record_variants
+from opforge.core.hardware import get_profile
+ops = [opforge.get_op("attention")]
+first = record_variants(ops, [torch.bfloat16], get_profile("h100"), capability=90)
+every = record_variants(ops, [torch.bfloat16], get_profile("h100"), True, capability=90)
+older = record_variants(ops, [torch.bfloat16], get_profile("a100"), True, capability=80)
+def variants(recorded):
+    return {(v.constexprs.get("DESCRIPTORS"), v.constexprs.get("WARP_SPECIALIZE"))
+            for v in recorded if v.name == "_attention_forward_kernel"}
+print(len(first), len(every), sorted(variants(first)), sorted(variants(every)),
+      sorted(variants(older)), len(opforge.tuning_records()),
+      os.path.exists(os.environ["OPFORGE_AUTOTUNE_CACHE"]))
+"""
+
+
+def test_compile_check_of_every_candidate_records_the_descriptor_variants(tmp_path):
+    """--candidates records the launches of every tiling candidate autotuning could time:
+    on a Hopper target the tensor-descriptor and warp-specialized attention kernels too
+    (not on an Ampere target, whose GPUs would run the pointer kernel); nothing is
+    recorded as a tuning choice and no choices file is written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OPFORGE_AUTOTUNE_CACHE"] = str(tmp_path / "choices.json")
+    done = subprocess.run([sys.executable, "-c", _CANDIDATES_PROBE], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, every, *rest = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert int(every) > int(first)
+    assert rest[0].startswith("[(False, False)] ")
+    assert "(True, True)" in rest[0] and "(True, False)" in rest[0]
+    assert rest[0].endswith("[(False, False)] 0 False")
+
+
 def test_compile_check_specialises_arguments_as_a_launch_does():
     """Without the JIT's specialisation (unit strides as constants, 16-divisible pointers
     and sizes marked) the compiler cannot vectorise or pipeline loads, and the registers,

@@ -31,10 +31,11 @@ from unittest import mock
 
 import torch
 
-from opforge.core import backends
+from opforge.core import autotune, backends
 from opforge.core.hardware import HardwareProfile, get_profile, use_hardware
 from opforge.core.opdef import OpDef
 from opforge.core.plan import clear_caches, plan
+from opforge.ops._descriptors import judged_as_cuda
 
 _POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                   torch.float64: "fp64", torch.uint8: "u8", torch.int8: "i8",
@@ -174,16 +175,35 @@ def recorded_launches(hardware: HardwareProfile) -> Iterator[LaunchRecorder]:
         clear_caches()  # the plans chose triton for CPU tensors only for this recording
 
 
+@contextlib.contextmanager
+def _every_candidate() -> Iterator[None]:
+    """Plans made in the block launch each tiling candidate autotuning would time, once,
+    untimed (the first is kept); no choice is stored."""
+    with mock.patch.dict(os.environ, {"OPFORGE_AUTOTUNE_CACHE": ""}), \
+            mock.patch.object(autotune, "_seconds", lambda run, device: 0.0), \
+            autotune.autotuning():
+        try:
+            yield
+        finally:
+            autotune.clear_tuning()
+
+
 def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
-                    hardware: HardwareProfile) -> list[KernelVariant]:
+                    hardware: HardwareProfile, candidates: bool = False,
+                    capability: int | None = None) -> list[KernelVariant]:
     """Run the operators' samples on the triton backend, tiled for ``hardware``, with
     kernel launches recorded instead of executed; return the distinct variants, in
-    first-launch order (and the int64-offset twin of each).
+    first-launch order (and the int64-offset twin of each). With ``candidates``, every
+    tiling candidate autotuning could time is launched (recorded), not only the first
+    that fits. With a compute ``capability`` (``90``), launches are those a GPU of that
+    target makes (tensor-descriptor variants from 90 on).
 
     Raises:
         RuntimeError: the kernels are interpreted (``TRITON_INTERPRET`` is set).
     """
-    with recorded_launches(hardware) as recorder:
+    with recorded_launches(hardware) as recorder, \
+            _every_candidate() if candidates else contextlib.nullcontext(), \
+            judged_as_cuda(capability) if capability else contextlib.nullcontext():
         for op in ops:
             recorder.label = op.name
             for dtype in dtypes:

@@ -278,7 +278,8 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
         target, hardware = parse_target(args.target)
     except ValueError as error:
         return _error(str(error))
-    results = compile_variants(record_variants(ops, dtypes, hardware), target)
+    results = compile_variants(record_variants(ops, dtypes, hardware, args.candidates,
+                                               target.arch), target)
     table = Table(title=f"opforge compile-check for {args.target}, tiled for {hardware.name} "
                         "(no device needed)")
     for column in ("kernel", "variant", "operators", "status", "s", "regs", "stack B",
@@ -688,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="compile every kernel variant for a GPU target, no GPU needed")
     check.add_argument("ops", nargs="*", help="operator names (default: all)")
     check.add_argument("--target", default="cuda:90", help="cuda:<cc> (default cuda:90)")
+    check.add_argument("--candidates", action="store_true",
+                       help="every tiling candidate autotuning could time, not only the "
+                            "first that fits")
     check.add_argument("--dtype", action="append",
                        choices=["float32", "float16", "bfloat16"])
     compare = sub.add_parser("compare", help="find where two dumped runs diverge")

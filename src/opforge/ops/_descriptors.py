@@ -4,6 +4,9 @@ a GPU, and the descriptors of a pair of matrices."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from opforge.core import backends
@@ -34,6 +37,21 @@ if triton is not None:
         return a, b
 
 _scratch_allocator_set = False
+# The compute capability CPU tensors are judged for while `opforge compile-check` records
+# launches for a GPU target (empty: none).
+_recording_capability: list[int] = []
+
+
+@contextlib.contextmanager
+def judged_as_cuda(capability: int) -> Iterator[None]:
+    """Inside the block, CPU tensors are judged by `descriptors_usable` as tensors of a
+    CUDA device of ``capability`` (``90`` for Hopper): the AOT check records the launches
+    a GPU of that target would make."""
+    _recording_capability.append(capability)
+    try:
+        yield
+    finally:
+        _recording_capability.pop()
 
 
 def descriptors_usable(*tensors: torch.Tensor) -> bool:
@@ -43,9 +61,10 @@ def descriptors_usable(*tensors: torch.Tensor) -> bool:
     if triton is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     device = tensors[0].device
-    if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9 or not hasattr(
-                triton, "set_allocator"):
+    if device.type == "cuda" or (device.type == "cpu" and _recording_capability):
+        major = (torch.cuda.get_device_capability(device)[0] if device.type == "cuda"
+                 else _recording_capability[-1] // 10)
+        if major < 9 or not hasattr(triton, "set_allocator"):
             return False
     elif not backends.interpreter_enabled():
         return False
