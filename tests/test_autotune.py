@@ -128,27 +128,6 @@ def test_a_stored_choice_is_reused_by_a_later_process_without_timing(monkeypatch
     assert opforge.tuning_records()[-1].source == "file"
 
 
-def test_a_stored_choice_that_is_no_longer_a_candidate_is_timed_again(monkeypatch, tmp_path):
-    a, b = _operands()
-    names = _candidates(a, b)
-    _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * len(names)])
-    with opforge.use_backend("triton"), opforge.autotuning():
-        opforge.plan("matmul", a, b)
-    path = tmp_path / "autotune.json"
-    stored = json.loads(path.read_text())
-    for entry in stored.values():
-        entry["choice"] = "tiles BLOCK_M=999"
-    path.write_text(json.dumps(stored))
-    autotune.clear_tuning()
-    opforge.clear_caches()
-    calls = _ranked(monkeypatch, [1e-3, 2e-3, *[5e-3] * len(names)])
-    with opforge.use_backend("triton"), opforge.autotuning():
-        plan = opforge.plan("matmul", a, b)
-    assert autotune.describe(plan.tiling) == names[0]
-    assert len(calls) == min(len(names), autotune.max_candidates())
-    assert opforge.tuning_records()[-1].source == "measured"
-
-
 def test_a_failing_candidate_is_skipped_and_recorded(monkeypatch):
     a, b = _operands()
     names = _candidates(a, b)
@@ -307,8 +286,13 @@ def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_attention(monkey
     assert (lse.double() - golden_lse).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("bad", [[1, 2], "abc", None, 5, {"x": [1]}])
-def test_a_malformed_stored_entry_is_timed_again(monkeypatch, tmp_path, bad):
+@pytest.mark.parametrize("field, value", [
+    ("choice", "tiles BLOCK_M=999"),  # no longer a candidate (the tiling changed)
+    ("choice", 5), ("timings_us", [1, 2]), ("timings_us", "abc"), ("timings_us", None),
+    ("timings_us", 5), ("timings_us", {"x": [1]}),
+])
+def test_a_stale_or_malformed_stored_entry_is_timed_again(monkeypatch, tmp_path, field,
+                                                          value):
     a, b = _operands()
     names = _candidates(a, b)
     _ranked(monkeypatch, [2e-3, 1e-3, *[5e-3] * len(names)])
@@ -317,14 +301,16 @@ def test_a_malformed_stored_entry_is_timed_again(monkeypatch, tmp_path, bad):
     path = tmp_path / "autotune.json"
     stored = json.loads(path.read_text())
     for entry in stored.values():
-        entry["timings_us"] = bad
+        entry[field] = value
     path.write_text(json.dumps(stored))
     autotune.clear_tuning()
     opforge.clear_caches()
     calls = _ranked(monkeypatch, [1e-3, *[5e-3] * len(names)])
     with opforge.use_backend("triton"), opforge.autotuning():
         plan = opforge.plan("matmul", a, b)
-    assert autotune.describe(plan.tiling) == names[0] and calls
+    assert autotune.describe(plan.tiling) == names[0]
+    assert len(calls) == min(len(names), autotune.max_candidates())
+    assert opforge.tuning_records()[-1].source == "measured"
     (entry,) = json.loads(path.read_text()).values()
     assert entry["choice"] == names[0] and isinstance(entry["timings_us"], dict)
 
