@@ -17,10 +17,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import opforge
 from opforge.core import autotune
 from opforge.core.errors import ShapeError
+from opforge.core.opdef import Case
 from opforge.core.plan import _observer, set_run_observer
 from opforge.ops.mla_prolog import mla_inputs
 
-from .conftest import DEVICE
+from .conftest import DEVICE, assert_golden
 
 
 @pytest.fixture(autouse=True)
@@ -279,11 +280,7 @@ def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_attention(monkey
             plan = opforge.plan("attention", q, k, v, causal=True)
             out, lse = plan.run(q, k, v)
     assert autotune.describe(plan.tiling) == names[winner]
-    with opforge.use_backend("torch"):
-        golden, golden_lse = opforge.attention(q.double(), k.double(), v.double(),
-                                               causal=True, return_lse=True)
-    assert (out.double() - golden).abs().max() < 2e-2
-    assert (lse.double() - golden_lse).abs().max() < 1e-3
+    assert_golden(plan.op, Case("descriptors", (q, k, v), {"causal": True}), (out, lse))
 
 
 @pytest.mark.parametrize("field, value", [
