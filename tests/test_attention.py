@@ -481,3 +481,37 @@ def test_a_nan_key_spreads_over_exactly_the_rows_that_see_it(backend):
     assert torch.isnan(dk[0, 0, 5]).all() and torch.isnan(dv[0, 0, 5]).all()
     everywhere = opforge.attention(q, k, v, return_lse=True)
     assert all(torch.isnan(t).all() for t in everywhere)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64_offsets"])
+def test_descriptor_tilings_fall_back_to_pointers_for_int64_offsets(monkeypatch, launches,
+                                                                    wide):
+    """A flash_tma tiling reads by tensor descriptor (the interpreter has them), except
+    when offsets need int64 (tensors past 2^31 elements): descriptor coordinates are
+    int32, so forward and backward then take the pointer kernel. Results are right
+    either way."""
+    import dataclasses
+
+    from opforge.ops import attention as module
+
+    for opdef in (ATTENTION, ATTENTION_BACKWARD):
+        rule = opdef.tiling
+        monkeypatch.setattr(opdef, "tiling", lambda *args, rule=rule: [
+            dataclasses.replace(t, variant="flash_tma") for t in rule(*args)])
+    if wide:
+        monkeypatch.setattr(module, "wide_offsets", lambda *tensors: True)
+    generator = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 24, 64, generator=generator).to(DEVICE, torch.bfloat16)
+               for _ in range(3))
+    with opforge.use_backend("triton"):
+        out, lse = opforge.attention(q, k, v, causal=True, return_lse=True)
+        opforge.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True)
+    kernels = [(name, options) for name, options in launches if "DESCRIPTORS" in options]
+    assert {name for name, _ in kernels} >= {"_attention_forward_kernel",
+                                             "_attention_query_side_kernel",
+                                             "_attention_key_side_kernel"}
+    usable = module.descriptors_usable(q, k, v)  # Hopper or the interpreter
+    assert usable or DEVICE.type == "cuda"
+    assert all(options["DESCRIPTORS"] is (usable and not wide) and options["WIDE"] is wide
+               for _, options in kernels)
+    assert_golden(ATTENTION, Case("descriptors", (q, k, v), {"causal": True}), (out, lse))

@@ -213,7 +213,10 @@ def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
                 for case in op.samples(dtype, torch.device("cpu"), generator):
                     plan(op, *case.inputs, **case.attrs).run(*case.inputs)
     recorded = list(recorder.variants.values())
-    return recorded + [_wide_twin(v) for v in recorded if v.constexprs.get("WIDE") is False]
+    # Launchers never pair WIDE with DESCRIPTORS (descriptor coordinates are int32: such
+    # tensors take the pointer kernel), so a descriptor variant has no int64 twin.
+    return recorded + [_wide_twin(v) for v in recorded if v.constexprs.get("WIDE") is False
+                       and not v.constexprs.get("DESCRIPTORS")]
 
 
 def _wide_twin(variant: KernelVariant) -> KernelVariant:

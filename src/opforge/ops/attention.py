@@ -1287,7 +1287,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         return
     options = _launch_options(plan, (q, k, v, out), "BLOCK_M", "BLOCK_N")
     descriptors, warp_specialize = FORWARD_VARIANTS[plan.tiling.variant]
-    if descriptors and not descriptors_usable(k, v):
+    # Descriptor coordinates are int32: tensors past 2^31 elements take the pointer kernel.
+    if descriptors and (options["WIDE"] or not descriptors_usable(k, v)):
         descriptors = warp_specialize = False
     if descriptors:
         use_scratch_allocator(k.device)
@@ -1333,11 +1334,12 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
     # The streamed blocks (keys and values for dQ, queries and dout for dK/dV) by tensor
     # descriptor when the tiling's variant asks and the tensors allow.
-    descriptors = FORWARD_VARIANTS[plan.tiling.variant][0] and descriptors_usable(q, k, v, dout)
-    if descriptors:
-        use_scratch_allocator(q.device)
     query_side = _launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
     key_side = _launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
+    descriptors = (FORWARD_VARIANTS[plan.tiling.variant][0] and not query_side["WIDE"]
+                   and descriptors_usable(q, k, v, dout))
+    if descriptors:
+        use_scratch_allocator(q.device)
     query_side["DESCRIPTORS"] = key_side["DESCRIPTORS"] = descriptors
     query_side["EXACT_HEAD"] = key_side["EXACT_HEAD"] = (_exact_head(query_side, d, dv)
                                                          and not descriptors)
