@@ -5,6 +5,7 @@ timer is replaced where a test needs a given ranking."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import threading
 import time
@@ -17,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import opforge
 from opforge.core import autotune
 from opforge.core.errors import ShapeError
-from opforge.core.opdef import Case
+from opforge.core.opdef import Case, OpDef
 from opforge.core.plan import _observer, set_run_observer
-from opforge.ops.mla_prolog import mla_inputs
+from opforge.ops.mla_prolog import MLA_PROLOG, mla_inputs
 
 from .conftest import DEVICE, assert_golden
 
@@ -62,19 +63,34 @@ def _candidates(a: torch.Tensor, b: torch.Tensor, op: str = "matmul",
     return list(dict.fromkeys(names))
 
 
-def _ranked(monkeypatch, seconds: list[float | Exception]) -> list[int]:
+def _ranked(monkeypatch, seconds: list[float | Exception], op: str | None = None
+            ) -> list[int]:
     """Replace the timer: the n-th candidate timed takes ``seconds[n]`` (or raises it).
-    Returns the list the calls are counted in."""
+    With ``op``, only that operator's candidates follow ``seconds``; the operators it
+    tunes inside its own candidates' runs (a composite's steps) take 1 s per candidate,
+    so their first fitting candidate wins. Returns the list the calls are counted in."""
     calls: list[int] = []
+    tuning: list[str] = []
+    measure = autotune._measure
+
+    def tracked(name, *args):
+        tuning.append(name)
+        try:
+            return measure(name, *args)
+        finally:
+            tuning.pop()
 
     def timer(run, device):
         run()
+        if op is not None and tuning[-1] != op:
+            return 1.0
         calls.append(1)
         value = seconds[len(calls) - 1]
         if isinstance(value, Exception):
             raise value
         return value
 
+    monkeypatch.setattr(autotune, "_measure", tracked)
     monkeypatch.setattr(autotune, "_seconds", timer)
     return calls
 
@@ -190,25 +206,71 @@ def test_the_setting_nests_follows_the_environment_and_keys_the_plan_cache(monke
 
 def test_calls_that_must_not_be_timed_are_not():
     x = torch.randn(4, 8)
-    assert autotune.tunable([x, None], mutates_inputs=False)
-    assert not autotune.tunable([x], mutates_inputs=True)
-    assert not autotune.tunable([x.to("meta")], mutates_inputs=False)
-    assert not autotune.tunable([None], mutates_inputs=False)
+    assert autotune.tunable([x, None], reruns_alike=True)
+    assert not autotune.tunable([x], reruns_alike=False)
+    assert not autotune.tunable([x.to("meta")], reruns_alike=True)
+    assert not autotune.tunable([None], reruns_alike=True)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
-    assert not autotune.tunable([fake], mutates_inputs=False)
+    assert not autotune.tunable([fake], reruns_alike=True)
 
 
-def test_an_operator_that_updates_its_caches_is_not_tuned_and_writes_them_once():
-    generator = torch.Generator().manual_seed(3)
-    inputs = mla_inputs(5, torch.float32, DEVICE, generator)
+def _reading_caches() -> OpDef:
+    """mla_prolog as if it read its caches before writing them (not write-only)."""
+    inputs = tuple(dataclasses.replace(arg, write_only=False) for arg in MLA_PROLOG.inputs)
+    return dataclasses.replace(MLA_PROLOG, name="mla_prolog_reading_caches", inputs=inputs)
+
+
+def test_which_operators_rerun_alike():
+    assert MLA_PROLOG.mutated_inputs == (10, 11) and MLA_PROLOG.reruns_alike
+    assert opforge.get_op("matmul").reruns_alike  # updates nothing
+    assert not _reading_caches().reruns_alike
+
+
+def _mla_call(tokens: int) -> tuple[torch.Tensor, ...]:
+    return mla_inputs(tokens, torch.float32, DEVICE, torch.Generator().manual_seed(3))
+
+
+def test_an_operator_that_overwrites_its_caches_is_tuned_and_leaves_them_as_one_run(
+        monkeypatch):
+    """mla_prolog's caches are only written (rows scattered into them): the candidates run
+    on the call's caches, which end as one run of the chosen tiling leaves them. A decode
+    step times the fused query kernel against the matmul, norm and rope steps."""
+    inputs = _mla_call(5)
+    names = _candidates(*inputs[:2], op="mla_prolog", more=inputs[2:])
+    variants = [name.split()[0] for name in names]
+    assert variants[0] == "fused_kv_query" and "fused_kv" in variants, names
+    steps = variants.index("fused_kv")
+    monkeypatch.setenv("OPFORGE_AUTOTUNE_MAX", str(steps + 1))
+    # The steps path is the fastest: the choice that differs from the untuned one.
+    _ranked(monkeypatch, [2e-3] * steps + [1e-3], op="mla_prolog")
+    fresh = [t.clone() for t in inputs]
+    with opforge.use_backend("triton"), opforge.autotuning():
+        tuned = opforge.mla_prolog(*inputs)
+        plan = opforge.plan("mla_prolog", *inputs)
+        once = plan.run(*fresh)
+    (record,) = [r for r in opforge.tuning_records() if r.op == "mla_prolog"]
+    assert record.choice == names[steps] == autotune.describe(plan.tiling)
+    assert list(record.timings_us) == names[:steps + 1]
+    for got, want in zip([*tuned, *inputs[10:]], [*once, *fresh[10:]]):
+        assert torch.equal(got, want)
+
+
+def test_an_operator_that_updates_an_input_from_what_it_holds_is_not_tuned(monkeypatch):
+    toy = _reading_caches()
+    inputs = _mla_call(5)
     expected = [t.clone() for t in inputs]
+    calls = _ranked(monkeypatch, [1e-3] * 16, op=toy.name)
     with opforge.use_backend("triton"):
-        reference = opforge.mla_prolog(*expected)
+        untuned = opforge.plan(toy, *expected)
+        reference = untuned.run(*expected)
         with opforge.autotuning():
-            tuned = opforge.mla_prolog(*inputs)
-    assert all(r.op != "mla_prolog" for r in opforge.tuning_records())
-    for got, want in zip(tuned, reference):
+            tuned = opforge.plan(toy, *inputs)
+            result = tuned.run(*inputs)
+    # Its inner matmul plans are tuned (they update nothing); the operator itself is not.
+    assert not calls and all(r.op != toy.name for r in opforge.tuning_records())
+    assert tuned.tiling == untuned.tiling
+    for got, want in zip([*result, *inputs[10:]], [*reference, *expected[10:]]):
         assert torch.equal(got, want)
 
 

@@ -15,9 +15,10 @@ the same machine takes it without timing again (a stored choice that is no longe
 the candidates, after a change of the tiling, is timed again).
 
 Nothing is timed (the first fitting candidate is taken, as without autotuning) when only
-one candidate fits; for an operator that updates an input in place (each timing run would
-write it again); for fake or meta tensors; during CUDA graph capture; and while
-torch.compile traces.
+one candidate fits; for an operator that updates an input in place from what it holds (each
+timing run would update it again; one that only overwrites, such as a cache scatter, is
+timed, see `TensorArg.write_only`); for fake or meta tensors; during CUDA graph capture;
+and while torch.compile traces.
 
 Settings: `set_autotune` / the `autotuning` block (innermost wins, per thread), else
 ``OPFORGE_AUTOTUNE`` (``1``/``true``/``yes``/``on``, or ``0``/``false``/``no``/``off``;
@@ -207,9 +208,11 @@ def describe(tiling: Tiling) -> str:
     return " ".join(parts)
 
 
-def tunable(tensors: Sequence[Any], mutates_inputs: bool) -> bool:
-    """Whether a plan for ``tensors`` may time its candidates now (see the module doc)."""
-    if mutates_inputs or torch.compiler.is_compiling():
+def tunable(tensors: Sequence[Any], reruns_alike: bool) -> bool:
+    """Whether a plan for ``tensors`` may time its candidates now (see the module doc);
+    ``reruns_alike``: the operator leaves its inputs as they were, or overwrites them
+    alike on every run (`OpDef.reruns_alike`)."""
+    if not reruns_alike or torch.compiler.is_compiling():
         return False
     present = [t for t in tensors if isinstance(t, torch.Tensor)]
     if not present:

@@ -70,13 +70,18 @@ class TensorSpec:
 class TensorArg:
     """A tensor input: its name, the dtypes it accepts, whether it may be ``None`` and
     whether the operator writes into it in place (``mutated``: a cache the call updates;
-    its new value is part of the result, after the outputs, in the reference's return)."""
+    its new value is part of the result, after the outputs, in the reference's return).
+    ``write_only`` (with ``mutated``): the operator never reads what it holds, only
+    overwrites some of its elements from the other inputs (rows scattered into a cache),
+    so running the call again on the same inputs leaves the same contents; autotuning
+    may then time the operator on the call's own tensors."""
 
     name: str
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     optional: bool = False
     doc: str = ""
     mutated: bool = False
+    write_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -467,6 +472,13 @@ class OpDef:
     def mutated_inputs(self) -> tuple[int, ...]:
         """Positions of the inputs the operator updates in place."""
         return tuple(i for i, arg in enumerate(self.inputs) if arg.mutated)
+
+    @property
+    def reruns_alike(self) -> bool:
+        """Whether a second run on the same inputs leaves every input as the first run
+        left it: no input is updated in place, or each one is only overwritten
+        (`TensorArg.write_only`)."""
+        return all(self.inputs[i].write_only for i in self.mutated_inputs)
 
     def bind_attrs(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Validate attribute values and fill in defaults.

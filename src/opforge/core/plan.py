@@ -557,7 +557,7 @@ def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
                                       signature.device)
     tune = (_tuner(opdef, signature, backend, hardware, tensors)
             if backend != "torch" and autotune.autotune_enabled()
-            and autotune.tunable(tensors, bool(opdef.mutated_inputs)) else None)
+            and autotune.tunable(tensors, opdef.reruns_alike) else None)
     tiling = _choose_tiling(opdef, signature, hardware, tune) if opdef.launchers else None
     if tiling is None and backend != "torch":
         reason = _tiling_refusal(opdef, signature, hardware)

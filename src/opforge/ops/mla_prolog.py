@@ -234,7 +234,9 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     is read once): ``QUERY_K`` of Hcq per step, the head's nope columns (``BLOCK_D``) and
     its even and odd rope columns (``QUERY_H`` each), then ``QUERY_C`` latent columns of
     the absorbed product at a time. Variant ``fused_kv`` runs the query path as matmul,
-    rms_norm and rope plans."""
+    rms_norm and rope plans. A decode step lists every ``fused_kv_query`` level first,
+    then the ``fused_kv`` ones: the steps take over where the query kernel does not fit,
+    and autotuning times one path against the other."""
     # Tiling sees power-of-two buckets of the shapes: read the sizes, check nothing.
     x, d, hckv, dr = inputs[0], inputs[3].shape[1], inputs[3].shape[2], inputs[7].shape[-1]
     tokens, hcq = math.prod(x.shape[:-1]), inputs[1].shape[1]
@@ -244,9 +246,6 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     cpu = hardware.device_type == "cpu"
     block_t = max(16, min(64 if cpu else 16, next_power_of_2(tokens)))
     widest_k = 256 if cpu else (64 if item <= 2 else 32)
-    block_k = max(16, min(widest_k, next_power_of_2(x.shape[-1])))
-    query_k = max(16, min(widest_k, next_power_of_2(hcq)))
-    fused_query = tokens <= FUSED_QUERY_TOKENS
     # float32's IEEE products take larger register tiles: 64 tokens spill on sm_90 (8 KB
     # a thread), 16 do not, so float32 takes its tokens 16 at a time.
     query_t = max(16, min(64 if item <= 2 else 16, next_power_of_2(tokens)))
@@ -255,27 +254,32 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     query_width = block_d + 2 * query_h
     warps = gpu_warps(block_t * (block_c + 2 * block_r), hardware)
     query_warps = gpu_warps(query_t * query_width, hardware)
-    candidates = []
+    options = {"warps": warps, "stages": 2 if hardware.device_type == "cuda" else None}
+    kv_levels, query_levels = [], []
+    block_k = max(16, min(widest_k, next_power_of_2(x.shape[-1])))
+    query_k = max(16, min(widest_k, next_power_of_2(hcq)))
     while True:
         onchip = 2 * block_k * (block_t + block_c + 2 * block_r) * item \
             + block_t * (block_c + 2 * block_r) * 4
         blocks = {"BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_C": block_c,
                   "BLOCK_R": block_r}
-        if fused_query:
-            onchip = max(onchip, 2 * query_k * (query_t + query_width) * item
-                         + query_t * query_width * 4 + block_d * query_c * item
-                         + query_t * query_c * 4)
-            blocks.update(QUERY_T=query_t, QUERY_K=query_k, BLOCK_D=block_d, QUERY_H=query_h,
-                          QUERY_C=query_c)
-        candidates.append(Tiling(
-            "fused_kv_query" if fused_query else "fused_kv", blocks, onchip,
+        kv_levels.append(Tiling("fused_kv", blocks, onchip, double_buffered=False,
+                                options=options))
+        query_levels.append(Tiling(
+            "fused_kv_query",
+            {**blocks, "QUERY_T": query_t, "QUERY_K": query_k, "BLOCK_D": block_d,
+             "QUERY_H": query_h, "QUERY_C": query_c},
+            max(onchip, 2 * query_k * (query_t + query_width) * item
+                + query_t * query_width * 4 + block_d * query_c * item + query_t * query_c * 4),
             double_buffered=False,
-            options={"warps": warps, "stages": 2 if hardware.device_type == "cuda" else None,
-                     **({"query_warps": min(8, query_warps)} if fused_query and query_warps
-                        else {})}))
+            options={**options, **({"query_warps": min(8, query_warps)} if query_warps
+                                   else {})}))
         if block_k == 16 and query_k == 16:
-            return candidates
+            break
         block_k, query_k = max(16, block_k // 2), max(16, query_k // 2)
+    if tokens > FUSED_QUERY_TOKENS:
+        return kv_levels
+    return query_levels + kv_levels
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
@@ -486,7 +490,10 @@ MLA_PROLOG = OpDef(
                    "in place. Forward only.",
     inputs=(*(TensorArg(name) for name in INPUT_NAMES),
             TensorArg("cache_index", dtypes=INDEX_DTYPES),
-            TensorArg("kv_cache", mutated=True), TensorArg("kr_cache", mutated=True)),
+            # Rows are scattered into the caches, never read from them: a rerun writes the
+            # same values, so autotuning may time the operator on the call's caches.
+            TensorArg("kv_cache", mutated=True, write_only=True),
+            TensorArg("kr_cache", mutated=True, write_only=True)),
     outputs=(OutputArg("query"), OutputArg("query_rope")),
     attrs=(Attr("rmsnorm_epsilon_cq", "float", 1e-5, range=EPS_RANGE),
            Attr("rmsnorm_epsilon_ckv", "float", 1e-5, range=EPS_RANGE),
