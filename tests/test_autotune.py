@@ -256,6 +256,31 @@ def test_an_operator_that_overwrites_its_caches_is_tuned_and_leaves_them_as_one_
         assert torch.equal(got, want)
 
 
+def _token_x_in_the_cache() -> list[torch.Tensor]:
+    """A call whose token_x views kv_cache rows that its slots overwrite."""
+    inputs = list(_mla_call(5))
+    kv_cache = inputs[10].clone()
+    x = kv_cache.view(-1)[:inputs[0].numel()].view(inputs[0].shape)
+    x.copy_(inputs[0])
+    inputs[0], inputs[10], inputs[11] = x, kv_cache, inputs[11].clone()
+    inputs[9] = torch.arange(0, 10, 2)
+    return inputs
+
+
+def test_caches_that_hold_an_input_are_not_tuned(monkeypatch):
+    """A rerun would read the rows the first run wrote over token_x."""
+    expected = _token_x_in_the_cache()
+    calls = _ranked(monkeypatch, [1e-3] * 16, op="mla_prolog")
+    with opforge.use_backend("triton"):
+        reference = opforge.mla_prolog(*expected)
+        inputs = _token_x_in_the_cache()
+        with opforge.autotuning():
+            result = opforge.mla_prolog(*inputs)
+    assert not calls and all(r.op != "mla_prolog" for r in opforge.tuning_records())
+    for got, want in zip(result, reference):
+        assert torch.equal(got, want)
+
+
 def test_an_operator_that_updates_an_input_from_what_it_holds_is_not_tuned(monkeypatch):
     toy = _reading_caches()
     inputs = _mla_call(5)

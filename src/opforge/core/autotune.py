@@ -17,8 +17,8 @@ the candidates, after a change of the tiling, is timed again).
 Nothing is timed (the first fitting candidate is taken, as without autotuning) when only
 one candidate fits; for an operator that updates an input in place from what it holds (each
 timing run would update it again; one that only overwrites, such as a cache scatter, is
-timed, see `TensorArg.write_only`); for fake or meta tensors; during CUDA graph capture;
-and while torch.compile traces.
+timed, see `TensorArg.write_only`, unless it shares memory with another input); for fake
+or meta tensors; during CUDA graph capture; and while torch.compile traces.
 
 Settings: `set_autotune` / the `autotuning` block (innermost wins, per thread), else
 ``OPFORGE_AUTOTUNE`` (``1``/``true``/``yes``/``on``, or ``0``/``false``/``no``/``off``;

@@ -369,6 +369,18 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, end + tensor.element_size()
 
 
+def _overwrites_what_it_reads(opdef: OpDef, tensors: Sequence[Any]) -> bool:
+    """Whether an input the operator updates in place shares memory with another input (a
+    ``token_x`` viewing cache rows the call overwrites): a second run would read what the
+    first wrote, so autotuning's repeated runs must not happen."""
+    mutated = set(opdef.mutated_inputs)
+    written = [_span(tensors[i]) for i in mutated if tensors[i] is not None and tensors[i].numel()]
+    read = [_span(t) for i, t in enumerate(tensors)
+            if i not in mutated and isinstance(t, torch.Tensor) and t.numel()]
+    return any(start < other_end and other_start < end
+               for start, end in written for other_start, other_end in read)
+
+
 def _distinct_elements(tensor: torch.Tensor) -> bool:
     """Whether no two elements of ``tensor`` share memory, by a sufficient test: ordered
     by stride, each dim steps past everything the smaller-strided dims span (true of any
@@ -557,7 +569,8 @@ def _build(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Plan:
                                       signature.device)
     tune = (_tuner(opdef, signature, backend, hardware, tensors)
             if backend != "torch" and autotune.autotune_enabled()
-            and autotune.tunable(tensors, opdef.reruns_alike) else None)
+            and autotune.tunable(tensors, opdef.reruns_alike)
+            and not _overwrites_what_it_reads(opdef, tensors) else None)
     tiling = _choose_tiling(opdef, signature, hardware, tune) if opdef.launchers else None
     if tiling is None and backend != "torch":
         reason = _tiling_refusal(opdef, signature, hardware)
