@@ -129,12 +129,13 @@ def test_batch_and_token_layouts_agree(backend):
     assert torch.equal(a[0], b[0].reshape(a[0].shape)) and torch.equal(a[2], b[2])
 
 
-def test_empty_batch_leaves_caches_untouched(backend):
+def test_empty_batch_leaves_caches_untouched(backend, launches):
     inputs = _inputs(0)
     before = inputs[10].clone()
     query, query_rope, kv, _ = _run(inputs)
     assert query.shape == (0, 4, 32) and query_rope.shape == (0, 4, 16)
     assert torch.equal(kv, before)
+    assert not launches  # no kernel, not even one of zero programs
 
 
 def test_an_empty_hidden_dim_projects_to_zero(backend):
@@ -146,6 +147,47 @@ def test_an_empty_hidden_dim_projects_to_zero(backend):
     outputs = _run([t.clone() for t in inputs])
     assert not outputs[0].any() and not outputs[1].any()
     assert_golden(MLA, Case("empty_hidden", inputs), outputs)
+
+
+def test_zero_heads_still_write_the_caches(backend):
+    """N = 0: the queries are empty, but the KV path does not depend on N: the cache rows
+    are written as the golden writes them."""
+    inputs = _inputs(5, seed=6, n=0)
+    before = [t.clone() for t in inputs[10:]]
+    outputs = _run([t.clone() for t in inputs])
+    assert outputs[0].shape == (5, 0, 32) and outputs[1].shape == (5, 0, 16)
+    assert not any(torch.equal(after, old) for after, old in zip(outputs[2:], before))
+    assert_golden(MLA, Case("zero_heads", inputs), outputs)
+
+
+def test_inference_caches_outside_inference_mode_are_refused_before_any_write(backend):
+    """torch forbids updating an inference tensor outside inference mode: a typed error,
+    with both caches as they were; inside inference mode the call writes them."""
+    inputs = _inputs(5, seed=7)
+    with torch.inference_mode():
+        caches = [t.clone() for t in inputs[10:]]
+    before = [t.clone() for t in caches]
+    with pytest.raises(opforge.OpError) as raised:
+        _run([*inputs[:10], *caches])
+    assert raised.value.param == "kv_cache" and "inference" in str(raised.value)
+    assert all(torch.equal(cache, old) for cache, old in zip(caches, before))
+    with torch.inference_mode():
+        outputs = _run([*inputs[:10], *caches])
+    assert outputs[2] is caches[0] and not torch.equal(caches[0], before[0])
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1, 24), (2, 4, 32), (2, 4, 2, 32)])
+def test_cache_views_of_the_wrong_form_are_shape_errors(shape):
+    cache = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(opforge.ShapeError, match="PA_NZ"):
+        nz_view(cache)
+    with pytest.raises(opforge.ShapeError, match="PA_NZ"):
+        cache_rows(cache, "PA_NZ")
+    if shape[-2] != 1 or len(shape) != 4:
+        with pytest.raises(opforge.ShapeError, match="PA_BSND"):
+            cache_rows(cache)
+    else:
+        assert cache_rows(cache).shape == (8, 24)
 
 
 def test_slot_beyond_the_cache_raises_before_any_write(backend):

@@ -147,6 +147,24 @@ def test_gradcheck_in_float64():
         assert torch.autograd.gradcheck(lambda *t, m=mode: opforge.rope(*t, m), (x, cos, sin))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_gradients_are_float64_exact(mode, backend):
+    """Operands with float64's full mantissa (float32 would round them) and a dense
+    upstream gradient: x's and the tables' gradients equal autograd through the float64
+    reference to float64 rounding (gradcheck's unit upstream vectors cannot see a float32
+    step)."""
+    generator = torch.Generator().manual_seed(5)
+    x, cos, sin, upstream = (torch.randn(shape, generator=generator, dtype=torch.float64)
+                             .to(DEVICE) for shape in ((4, 3, 6), (3, 6), (3, 6), (4, 3, 6)))
+    leaves = [t.requires_grad_() for t in (x, cos, sin)]
+    ours = torch.autograd.grad(opforge.rope(*leaves, mode), leaves, upstream)
+    golden = torch.autograd.grad(ROPE.reference_fn(*leaves, compute_dtype=torch.float64,
+                                                   mode=mode), leaves, upstream)
+    for got, want in zip(ours, golden):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
 def test_errors_come_before_any_kernel():
     with pytest.raises(opforge.ShapeError, match="even"):
         opforge.rope(_x(3, 5), _x(5), _x(5))

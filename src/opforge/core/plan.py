@@ -133,8 +133,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("_empty", "_steps", "attrs", "backend", "cost", "grid", "hardware", "inputs",
-                 "op", "outputs", "tiling", "workspace_bytes")
+    __slots__ = ("_empty", "_mutated", "_steps", "attrs", "backend", "cost", "grid",
+                 "hardware", "inputs", "op", "outputs", "tiling", "workspace_bytes")
 
     def __init__(self, op: OpDef, signature: Signature, backend: str,
                  hardware: HardwareProfile, tiling: Tiling | None, grid: tuple[int, ...],
@@ -149,7 +149,10 @@ class Plan:
         self.grid = grid
         self.workspace_bytes = workspace_bytes
         self.cost = cost
-        self._empty = not any(spec.numel for spec in self.outputs)
+        # Nothing to launch when no output has an element, unless the operator writes
+        # into inputs: those writes need not depend on the outputs' sizes.
+        self._mutated = op.mutated_inputs
+        self._empty = not self._mutated and not any(spec.numel for spec in self.outputs)
         self._steps: dict[str, Plan] = {}  # a composite operator's steps, see run_step
 
     def __repr__(self) -> str:
@@ -300,6 +303,8 @@ class Plan:
     def _execute(self, inputs: Sequence[torch.Tensor | None],
                  out: torch.Tensor | Sequence[torch.Tensor] | None,
                  workspace: torch.Tensor | None) -> list[torch.Tensor]:
+        for index in self._mutated:
+            _check_writable(inputs[index], self.op.name, self.op.inputs[index].name)
         if self.op.check_values is not None:
             self.op.check_values(self, inputs)
         targets, results = self._outputs(out, inputs)
@@ -367,6 +372,20 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
         reach = (size - 1) * stride * tensor.element_size()
         start, end = (start + reach, end) if reach < 0 else (start, end + reach)
     return start, end + tensor.element_size()
+
+
+def _check_writable(tensor: torch.Tensor | None, op: str, name: str) -> None:
+    """An input the operator updates in place must accept the update: torch forbids it on
+    an inference tensor outside ``torch.inference_mode``.
+
+    Raises:
+        OpError: ``tensor`` is such an inference tensor.
+    """
+    if tensor is not None and tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise OpError("is an inference tensor, which cannot be updated in place outside "
+                      "torch.inference_mode", op=op, param=name,
+                      expected="a tensor made outside torch.inference_mode (or call the "
+                               "operator inside it)", got="an inference tensor")
 
 
 def _overwrites_what_it_reads(opdef: OpDef, tensors: Sequence[Any]) -> bool:

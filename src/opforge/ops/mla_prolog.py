@@ -306,17 +306,41 @@ def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Sp
     return 4 * _partials(tiling, grid, _sizes(inputs, attrs)["t"])
 
 
+def _cache_shape(cache: torch.Tensor, nz: bool) -> tuple[int, int, int]:
+    """(BlockNum, BlockSize, W) of a cache ``(BlockNum, BlockSize, 1, W)``.
+
+    Raises:
+        ShapeError: ``cache`` is not of that form, or (``nz``) W is not a whole number of
+            32-byte columns.
+    """
+    if cache.ndim != 4 or cache.shape[2] != 1 or (nz and cache.shape[-1] % _col0(cache)):
+        layout = f", W a multiple of {_col0(cache)} (32 bytes)" if nz else ""
+        raise ShapeError(f"is not a {'PA_NZ' if nz else 'PA_BSND'} cache", op=NAME,
+                         param="cache", expected=f"(BlockNum, BlockSize, 1, W){layout}",
+                         got=tuple(cache.shape))
+    return cache.shape[0], cache.shape[1], cache.shape[3]
+
+
 def nz_view(cache: torch.Tensor) -> torch.Tensor:
     """A ``PA_NZ`` cache ``(BlockNum, BlockSize, 1, W)`` seen as its storage
-    ``(BlockNum, W / c0, BlockSize, c0)``, ``c0 = 32 bytes / itemsize``."""
-    blocks, block_size, _, width = cache.shape
+    ``(BlockNum, W / c0, BlockSize, c0)``, ``c0 = 32 bytes / itemsize``.
+
+    Raises:
+        ShapeError: ``cache`` is not of that form, or W is not a whole number of
+            32-byte columns.
+    """
+    blocks, block_size, width = _cache_shape(cache, nz=True)
     return cache.view(blocks, width // _col0(cache), block_size, _col0(cache))
 
 
 def cache_rows(cache: torch.Tensor, cache_mode: str = "PA_BSND") -> torch.Tensor:
     """The cache as ``(BlockNum * BlockSize, W)`` rows in slot order, whatever its
-    layout (a view for ``PA_BSND``, a copy for ``PA_NZ``)."""
-    blocks, block_size, _, width = cache.shape
+    layout (a view for ``PA_BSND``, a copy for ``PA_NZ``).
+
+    Raises:
+        ShapeError: as `nz_view` (for ``PA_BSND``, W may be any width).
+    """
+    blocks, block_size, width = _cache_shape(cache, nz=cache_mode == "PA_NZ")
     if cache_mode == "PA_BSND":
         return cache.view(blocks * block_size, width)
     return nz_view(cache).permute(0, 2, 1, 3).reshape(blocks * block_size, width)
@@ -423,7 +447,7 @@ def _torch_mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor,
     cos, sin = rope_cos.flatten(0, -2), rope_sin.flatten(0, -2)
     norm = torch.nn.functional.rms_norm
     cq = norm(x @ weight_dq, (weight_dq.shape[1],), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
-    qq = (cq @ weight_uq_qr).view(-1, n, d + dr)
+    qq = (cq @ weight_uq_qr).view(x.shape[0], n, d + dr)
     query = torch.einsum("tnd,ndc->tnc", qq[..., :d], weight_uk)
     query_rope = rope_reference(qq[..., d:], cos[:, None], sin[:, None],
                                 compute_dtype=torch.float32, mode="interleave_half")
@@ -546,7 +570,7 @@ def _rows(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Te
     true_cq = r(x @ weight_dq.to(compute_dtype))
     cq_rows = w(x) @ w(weight_dq) if magnitudes else true_cq
     cq = r(_rms(cq_rows, gamma_cq, rmsnorm_epsilon_cq, compute_dtype, magnitudes, true_cq))
-    qq = r(cq @ w(weight_uq_qr)).view(-1, n, d + dr)
+    qq = r(cq @ w(weight_uq_qr)).view(x.shape[0], n, d + dr)
     query = r(torch.einsum("tnd,ndc->tnc", qq[..., :d], w(weight_uk)))
     rope_mode = {"compute_dtype": compute_dtype, "mode": "interleave_half",
                  "magnitudes": magnitudes}
@@ -879,6 +903,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     dr = sin.shape[-1]
     x = token_x.flatten(0, -2)
     t, he = x.shape
+    if t == 0:
+        return  # no tokens: nothing to write (the plan launches even so, as it mutates)
     cq = plan.run_step("down", "matmul", x, w_dq)
     rows_cos = cos.reshape(t, dr).contiguous()
     rows_sin = sin.reshape(t, dr).contiguous()

@@ -444,7 +444,8 @@ def backward(ctx: object, grad: torch.Tensor
              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
     """dx through `rope_backward`; for tables that need it (learned frequencies, say),
     ``dcos[j] = sum grad[j] x[p(j)]`` and ``dsin[j] = sum s(j) grad[j] x[q(j)]`` in
-    float32, summed over the dims the table broadcast along."""
+    float32 (float64 for float64 operands), summed over the dims the table broadcast
+    along."""
     cos, sin, x = ctx.saved_tensors
     needs = ctx.needs_input_grad
     grad_x = torch.ops.opforge.rope_backward(grad, cos, sin, ctx.mode) if needs[0] else None
@@ -452,7 +453,9 @@ def backward(ctx: object, grad: torch.Tensor
     if x is not None:
         source, _, partner, _, sign = (t.to(x.device) for t in _indices(x.shape[-1],
                                                                        ctx.mode, False))
-        wide_grad, values = grad.float(), x.float()
+        compute = torch.promote_types(torch.promote_types(grad.dtype, x.dtype),
+                                      torch.float32)
+        wide_grad, values = grad.to(compute), x.to(compute)
         if needs[1]:
             grad_cos = (wide_grad * values[..., source]).sum_to_size(cos.shape).to(cos.dtype)
         if needs[2]:
