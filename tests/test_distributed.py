@@ -123,6 +123,10 @@ def _uneven_body(rank: int) -> None:
         unshard_sequence(torch.zeros(1, 1, 4, 4), 2, "contigous")
     with pytest.raises(opforge.AttrError, match="out of range"):
         shard_sequence(torch.zeros(1, 1, 4, 4), 5)
+    # A 0-d tensor has no dim to cut.
+    for cut in (shard_sequence, unshard_sequence):
+        with pytest.raises(opforge.AttrError, match="out of range"):
+            cut(torch.tensor(3.0), 0)
 
 
 def test_uneven_lengths_and_bad_layouts_are_rejected():
@@ -140,8 +144,21 @@ def _robust_body(rank: int) -> None:
     with pytest.raises(opforge.ShapeError):
         ring_attention(shards[0], shards[1], shards[2][:, :1], causal=True, layout="zigzag")
     longer = [torch.cat([t, t[:, :, :2]], 2) for t in shards] if rank == 1 else shards
-    with pytest.raises(opforge.ShapeError, match="differ in shape"):
+    with pytest.raises(opforge.ShapeError, match="differ"):
         ring_attention(*longer, causal=True, layout="zigzag")
+    # Ranks that disagree on the causal flag, the layout or the scale would make the same
+    # transfers and return wrong results: all raise instead.
+    for attrs in ({"causal": rank == 0, "layout": "zigzag"},
+                  {"causal": True, "layout": ("zigzag", "contiguous")[rank]},
+                  {"causal": True, "layout": "zigzag", "scale": 0.5 if rank else None}):
+        with pytest.raises(opforge.ShapeError, match="differ"):
+            ring_attention(*shards, **attrs)
+    # Shards of another length on one rank, and an invalid one on one rank: every rank
+    # raises before the gather (gloo aborted a rank on the mismatched gather before).
+    with pytest.raises(opforge.ShapeError, match="differ"):
+        unshard_sequence(torch.zeros(2, 3 + rank), 1)
+    with pytest.raises(opforge.OpError):
+        unshard_sequence(torch.zeros(2, 3), 1 if rank else 7)
     bad_dtype = shards[2].double() if rank == 0 else shards[2]
     with pytest.raises(opforge.OpError):
         ring_attention(shards[0], shards[1], bad_dtype, causal=True, layout="zigzag")
@@ -171,17 +188,41 @@ def test_a_one_rank_ring_is_single_process_attention():
     _spawn(1, _one_rank_body)
 
 
-def _stalled_worker(rank: int, world: int, init_file: str, results: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
+def _stalled_ring(rank: int, timeout: datetime.timedelta) -> None:
     q = torch.zeros(1, 1, 4, 8)
     if rank == 1:  # a rank that stalls: never joins the ring
         time.sleep(8)
         os._exit(0)
+    ring_attention(q, q, q, timeout=timeout)
+
+
+def _stalled_node_backward(rank: int, timeout: datetime.timedelta) -> None:
+    """One node of both ranks: the forward runs on both, then rank 1 stalls before the
+    backward, whose gradients go back through the node's gather and broadcast."""
+    shards = [torch.randn(1, 2, 4, 8).requires_grad_() for _ in range(3)]
+    out = hierarchical_attention(*shards, hierarchical_groups(2), causal=True,
+                                 timeout=timeout)
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)
+    out.sum().backward()
+
+
+def _stalled_unshard(rank: int, timeout: datetime.timedelta) -> None:
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)
+    unshard_sequence(torch.zeros(2, 4), 1, timeout=timeout)
+
+
+def _stalled_worker(rank: int, world: int, init_file: str, results: str,
+                    body: Callable[[int, datetime.timedelta], None]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
     start = time.perf_counter()
     try:
         with opforge.use_backend("torch"):
-            ring_attention(q, q, q, timeout=datetime.timedelta(seconds=2))
+            body(rank, datetime.timedelta(seconds=2))
         outcome = "no error"
     except (TimeoutError, RuntimeError) as error:
         outcome = f"{type(error).__name__} after {time.perf_counter() - start:.1f}s"
@@ -190,10 +231,12 @@ def _stalled_worker(rank: int, world: int, init_file: str, results: str) -> None
     os._exit(0)  # the peer never finished its side: skip the collective teardown
 
 
-def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
+@pytest.mark.parametrize("body", [_stalled_ring, _stalled_node_backward, _stalled_unshard],
+                         ids=["ring", "node_backward", "unshard"])
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(body):
     with tempfile.TemporaryDirectory() as directory:
         results = os.path.join(directory, "results")
-        mp.spawn(_stalled_worker, args=(2, os.path.join(directory, "init"), results),
+        mp.spawn(_stalled_worker, args=(2, os.path.join(directory, "init"), results, body),
                  nprocs=2, join=True)
         with open(results) as handle:
             outcome = handle.read()

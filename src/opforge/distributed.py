@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import struct
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +70,60 @@ def _chunks(length: int, world: int, mode: str, op: str) -> int:
 
 
 def _check_dim(x: torch.Tensor, dim: int, op: str) -> int:
-    """``dim`` of ``x``, or AttrError."""
-    if not -x.dim() <= dim < max(1, x.dim()):
+    """``dim`` of ``x``, or AttrError (a 0-d tensor has no dim to cut)."""
+    if not -x.dim() <= dim < x.dim():
         raise AttrError("is out of range", op=op, param="dim",
                         expected=f"a dim of a {x.dim()}-D tensor", got=dim)
     return dim
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    # The same number on every rank (a checksum of the name): dtypes compare across ranks.
+    return zlib.crc32(str(dtype).encode())
+
+
+def _wait(work: object, timeout: datetime.timedelta, what: str) -> None:
+    """Wait for an asynchronous collective; a peer that died or stalls raises within
+    ``timeout``."""
+    if not work.wait(timeout):
+        raise TimeoutError(f"{what} did not finish within {timeout}")
+
+
+def _padded(shape: torch.Size, dims: int) -> list[int]:
+    """``shape`` as exactly ``dims`` entries (-1 for missing dims, cut past ``dims``): a
+    spec of the same length on every rank, whatever its tensors."""
+    return [*shape, *[-1] * (dims - len(shape))][:dims]
+
+
+def _agree(local: OpError | None, spec: list[int], device: torch.device,
+           group: dist.ProcessGroup | None, timeout: datetime.timedelta, op: str,
+           what: str) -> None:
+    """Raise on every rank of ``group`` when one rank's own check failed (``local``) or
+    the ranks' ``spec`` differ (a list of ints of the same length on every rank), so that
+    no rank goes on to a transfer its peers will not make. One MAX all-reduce of
+    (spec, -spec) gives every rank the largest and smallest value of each entry: equal
+    everywhere exactly when the ranks agree.
+
+    Raises:
+        the ``local`` error; ShapeError: another rank's check failed, or the specs
+            differ. TimeoutError: the all-reduce did not finish within ``timeout``.
+    """
+    flagged = [1, *[0] * len(spec)] if local is not None else [0, *spec]  # same length
+    both = torch.tensor([*flagged, *(-value for value in flagged)], dtype=torch.int64,
+                        device=device)
+    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout,
+          f"the ranks' check of {what}")
+    if local is not None:
+        raise local
+    highest = both[:len(flagged)].tolist()
+    lowest = [-value for value in both[len(flagged):].tolist()]
+    if highest[0]:
+        raise ShapeError(f"another rank's {what} failed their checks", op=op, param=what,
+                         expected=f"valid {what} on every rank", got="an error on a peer")
+    if highest != lowest:
+        raise ShapeError(f"the ranks' {what} differ", op=op, param=what,
+                         expected=f"the same on every rank: {lowest[1:]}",
+                         got=f"up to {highest[1:]}")
 
 
 def _pieces(rank: int, world: int, mode: str) -> tuple[int, ...]:
@@ -110,10 +161,12 @@ def _reorder(gathered: list[torch.Tensor], dim: int, mode: str) -> torch.Tensor:
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, shard: torch.Tensor, dim: int, mode: str,
-                group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.dim, ctx.mode, ctx.group = dim, mode, group
+                group: dist.ProcessGroup | None, timeout: datetime.timedelta
+                ) -> torch.Tensor:
+        ctx.dim, ctx.mode, ctx.group, ctx.timeout = dim, mode, group, timeout
         gathered = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, shard.contiguous(), group=group)
+        _wait(dist.all_gather(gathered, shard.contiguous(), group=group, async_op=True),
+              timeout, "the all-gather of the shards")
         return _reorder(gathered, dim, mode)
 
     @staticmethod
@@ -121,24 +174,44 @@ class _Unshard(torch.autograd.Function):
         # Every rank's loss may use the whole tensor: its shard's gradient is the sum of
         # all ranks' gradients for that shard.
         total = grad.contiguous().clone()
-        dist.all_reduce(total, group=ctx.group)
-        return shard_sequence(total, ctx.dim, ctx.mode, ctx.group), None, None, None
+        _wait(dist.all_reduce(total, group=ctx.group, async_op=True), ctx.timeout,
+              "the all-reduce of the gradients")
+        return shard_sequence(total, ctx.dim, ctx.mode, ctx.group), None, None, None, None
+
+
+# Dims of a shard whose shape the ranks compare before gathering (a fixed-length check).
+MAX_SHARD_DIMS = 8
 
 
 def unshard_sequence(shard: torch.Tensor, dim: int, mode: str | None = None,
-                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                     group: dist.ProcessGroup | None = None,
+                     timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> torch.Tensor:
     """The full tensor gathered from every rank's shard (inverse of `shard_sequence`),
     differentiably: the gradient of a shard is the sum over ranks of the gradients of
-    its slice.
+    its slice. The ranks first compare their shards' shapes and dtypes (one small
+    all-reduce): every rank raises, before any gather, when one rank's shard is invalid
+    or the shards differ. Each collective waits at most ``timeout``.
 
     Raises:
         AttrError: an unknown mode or a dim out of range. ShapeError: a zigzag shard of
-            odd length.
+            odd length, more than `MAX_SHARD_DIMS` dims, or shards that differ across the
+            ranks (or a peer's error). TimeoutError: a peer did not answer in time.
     """
     mode = mode or "contiguous"
-    _chunks(shard.shape[_check_dim(shard, dim, "unshard_sequence")], 1, mode,
-            "unshard_sequence")
-    return _Unshard.apply(shard, dim, mode, group)
+    local = None
+    try:
+        if shard.dim() > MAX_SHARD_DIMS:
+            raise ShapeError("has too many dims to compare across the ranks",
+                             op="unshard_sequence", param="shard",
+                             expected=f"at most {MAX_SHARD_DIMS} dims", got=shard.dim())
+        _chunks(shard.shape[_check_dim(shard, dim, "unshard_sequence")], 1, mode,
+                "unshard_sequence")
+    except OpError as error:
+        local = error
+    _agree(local, [shard.dim(), *_padded(shard.shape, MAX_SHARD_DIMS),
+                   _dtype_code(shard.dtype)], shard.device, group, timeout,
+           "unshard_sequence", "shards")
+    return _Unshard.apply(shard, dim, mode, group, timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +284,7 @@ class Ring:
     def finish(self, works: list[object]) -> None:
         """Wait for the transfers; a peer that died or stalls raises within the timeout."""
         for work in works:
-            if not work.wait(self.timeout):
-                raise TimeoutError(f"ring transfer did not finish within {self.timeout}")
+            _wait(work, self.timeout, "ring transfer")
 
 
 class _Timed:
@@ -359,17 +431,14 @@ def _layout(layout: str | None, causal: bool, op: str) -> str:
     return layout
 
 
-# Codes of the dtypes in the cross-rank check (any other: -1).
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-_SPEC_LENGTH = 1 + 3 * 4 + 1  # failed flag, q/k/v shapes, dtype
-
-
 def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float | None, layout: str, group: dist.ProcessGroup | None,
                   op: str, timeout: datetime.timedelta) -> None:
-    """This rank's shards against attention's rules, then every rank's shapes and dtype
-    against the others' (one small all-reduce, waited for at most ``timeout``): a rank
-    whose check fails raises, and so do all the others, before any block travels."""
+    """This rank's shards against attention's rules, then every rank's shapes, dtype,
+    causal flag, layout and scale against the others' (one small all-reduce, waited for
+    at most ``timeout``): a rank whose check fails raises, and so do all the others,
+    before any block travels. (Ranks that disagree on the attributes would make the same
+    transfers and return wrong results without a word.)"""
     local: OpError | None = None
     try:
         plan("attention", q, k, v, causal=causal, scale=scale)
@@ -381,26 +450,12 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                              expected="an even shard length", got=q.shape[2])
     except OpError as error:
         local = error
-    spec = [1] + [0] * (_SPEC_LENGTH - 1) if local is not None else [
-        0, *q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, -1)]
-    # One MAX all-reduce of (spec, -spec) gives every rank the largest and smallest value
-    # of each entry: equal everywhere exactly when the ranks agree.
-    both = torch.tensor([*spec, *(-value for value in spec)], dtype=torch.int64,
-                        device=q.device)
-    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    if not work.wait(timeout):
-        raise TimeoutError(f"the ranks' shard check did not finish within {timeout}")
-    if local is not None:
-        raise local
-    highest = both[:_SPEC_LENGTH].tolist()
-    lowest = [-value for value in both[_SPEC_LENGTH:].tolist()]
-    if highest[0]:
-        raise ShapeError("another rank's shards failed their checks", op=op, param="q",
-                         expected="valid shards on every rank", got="an error on a peer")
-    if highest != lowest:
-        raise ShapeError("the ranks' shards differ in shape or dtype", op=op, param="q",
-                         expected=f"q, k, v shapes and dtype {lowest[1:]} on every rank",
-                         got=f"up to {highest[1:]}")
+    # The scale's float64 bits, so that ranks compare it exactly.
+    scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", scale))[0]
+    spec = [*(size for t in (q, k, v) for size in _padded(t.shape, 4)),
+            _dtype_code(q.dtype), int(causal), LAYOUTS.index(layout), scale_bits]
+    _agree(local, spec, q.device, group, timeout, op,
+           "shards (q, k, v shapes, dtype, causal, layout, scale bits)")
 
 
 @dataclass(frozen=True)
@@ -467,20 +522,22 @@ class _Broadcast(torch.autograd.Function):
     rank are summed back onto the source (the others' inputs get none)."""
 
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, source: int, group: dist.ProcessGroup
-                ) -> torch.Tensor:
-        ctx.source, ctx.group = source, group
+    def forward(ctx: object, x: torch.Tensor, source: int, group: dist.ProcessGroup,
+                timeout: datetime.timedelta) -> torch.Tensor:
+        ctx.source, ctx.group, ctx.timeout = source, group, timeout
         out = x.detach().clone().contiguous()
-        dist.broadcast(out, source, group=group)
+        _wait(dist.broadcast(out, source, group=group, async_op=True), timeout,
+              "the broadcast of a node block")
         return out
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         total = grad.contiguous().clone()
-        dist.reduce(total, ctx.source, group=ctx.group)
+        _wait(dist.reduce(total, ctx.source, group=ctx.group, async_op=True), ctx.timeout,
+              "the reduce of a node block's gradient")
         if dist.get_rank() != ctx.source:
             total = torch.zeros_like(total)
-        return total, None, None
+        return total, None, None, None
 
 
 def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -507,14 +564,15 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     chunk, width = q.shape[2], k.shape[3]
     # K and V travel as one tensor along one chain of transfers, so that every rank runs
     # the reverse transfers of the backward in the same order.
-    block = unshard_sequence(torch.cat([k, v], -1), 2, "contiguous", groups.intra)
+    # The shards were compared across every rank above: gathered without a second check.
+    block = _Unshard.apply(torch.cat([k, v], -1), 2, "contiguous", groups.intra, timeout)
     out = lse = None
     unused = []
     for step in range(nodes):
         if step:
             if groups.inter is not None:
                 block = _Shift.apply(block, groups.inter, timeout)
-            block = _Broadcast.apply(block, leader, groups.intra)
+            block = _Broadcast.apply(block, leader, groups.intra, timeout)
         source = (groups.node - step) % nodes
         if causal and source > groups.node:
             unused.append(block)
@@ -555,8 +613,8 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _check_shards(q, k, v, causal, scale, layout, group, "gathered_attention",
                   DEFAULT_TIMEOUT)
     rank, world = _group_info(group)
-    keys = unshard_sequence(k, 2, layout, group)
-    values = unshard_sequence(v, 2, layout, group)
+    # The shards were compared across the ranks above: gathered without a second check.
+    keys, values = (_Unshard.apply(t, 2, layout, group, DEFAULT_TIMEOUT) for t in (k, v))
     dist.barrier(group=group)
     if not causal:
         return attention(q, keys, values, False, scale)
