@@ -149,6 +149,37 @@ def test_attribute_values_equal_in_value_but_not_type_never_share_a_plan():
         opforge.plan("reduce_sum", x, dims=[True])
 
 
+@pytest.mark.parametrize("call, param", [
+    (lambda q: opforge.attention(q, q, q, causal=None), "causal"),
+    (lambda q: opforge.attention(q, q, q, causal=1), "causal"),
+    (lambda q: opforge.attention(q, q, q, causal=1.0), "causal"),
+    (lambda q: opforge.attention(q, q, q, scale=True), "scale"),
+    (lambda q: opforge.attention(q, q, q, scale=10 ** 400), "scale"),
+    (lambda q: opforge.gelu(q, approximate=None), "approximate"),
+])
+def test_functionals_refuse_attribute_values_the_dispatcher_would_convert(call, param):
+    """None or 1 for a bool, True for a float: the torch dispatcher converts them, plan
+    refuses them; the functional raises plan's AttrError. An int past float's range is no
+    finite float (an untyped OverflowError before)."""
+    with pytest.raises(opforge.AttrError) as raised:
+        call(torch.randn(1, 1, 3, 4))
+    assert raised.value.param == param
+
+
+def test_a_sparse_input_is_refused_before_any_kernel(backend):
+    """Kernels address elements through strides: a sparse tensor is an OpError from plan,
+    the functional and a held plan's run, also once a dense tensor of its shape, dtype and
+    device has a cached plan."""
+    dense = torch.randn(4, 8)
+    held = opforge.plan("softmax", dense)
+    sparse = dense.to_sparse()
+    for call in (lambda: opforge.plan("softmax", sparse), lambda: opforge.softmax(sparse),
+                 lambda: held.run(sparse)):
+        with pytest.raises(opforge.OpError, match="dense") as raised:
+            call()
+        assert raised.value.param == "x"
+
+
 def test_nearby_shapes_share_a_tiling():
     opforge.plan("sigmoid", torch.ones(1000))
     opforge.plan("sigmoid", torch.ones(1001))   # same power-of-two bucket (1024)

@@ -224,16 +224,41 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     return op
 
 
+# Python types an attribute value of each kind has as given (any other goes through
+# `Attr.validate`): the dispatcher would convert a few others silently (None or 1 for a
+# bool, True for a float), which `plan` rejects.
+_GIVEN_TYPES = {"bool": (bool,), "int": (int,), "float": (float, int), "str": (str,),
+                "ints": (tuple, list, int)}
+_attribute_types: dict[str, tuple[int, tuple[tuple[Attr, frozenset[type]], ...]]] = {}
+
+
+def _check_attribute_types(name: str, args: tuple[Any, ...]) -> None:
+    """Attribute values of a type the prototype does not take raise `plan`'s AttrError."""
+    known = _attribute_types.get(name)
+    if known is None:
+        opdef = registry.get_op(name)
+        known = _attribute_types[name] = (len(opdef.inputs), tuple(
+            (attr, frozenset(_GIVEN_TYPES[attr.kind]) | (
+                {type(None)} if attr.default is None else set())) for attr in opdef.attrs))
+    count, attributes = known
+    for (attr, types), value in zip(attributes, args[count:]):
+        if type(value) not in types:
+            attr.validate(value, name)
+
+
 def call(name: str, *args: Any) -> Any:
     """``torch.ops.opforge.<name>(*args)``: tensors, then attributes in schema order.
 
-    The dispatcher rejects an argument of the wrong type (``k=2.5`` for an int, a list for
-    a tensor) with a generic ``RuntimeError`` before opforge sees the call; such a call is
-    checked again against the prototype so that it raises the typed error `plan` gives.
+    Attribute values are checked against their kinds first: the dispatcher would convert
+    some silently (``causal=None`` or ``1`` for a bool, ``True`` for a float). It rejects
+    an argument of the wrong type (``k=2.5`` for an int, a list for a tensor) with a
+    generic ``RuntimeError`` before opforge sees the call; such a call is checked again
+    against the prototype so that it raises the typed error `plan` gives.
 
     Raises:
         OpError and its subclasses for any invalid argument (see `opforge.core.errors`).
     """
+    _check_attribute_types(name, args)
     try:
         return getattr(torch.ops.opforge, name)(*args)
     except RuntimeError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -176,7 +177,9 @@ class Attr:
         if self.kind == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise fail()
-            if not math.isfinite(value):
+            # An int past float's range is no finite float (math.isfinite would overflow).
+            if (isinstance(value, int) and abs(value) > sys.float_info.max) \
+                    or not math.isfinite(value):
                 raise AttrError("must be finite", op=op, param=self.name,
                                 expected="a finite number", got=value)
             return float(value)

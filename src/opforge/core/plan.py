@@ -104,6 +104,8 @@ def validate(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Signature:
         if tensor.device != device:
             raise DeviceError("is on another device than the first input", op=opdef.name,
                               param=arg.name, expected=str(device), got=str(tensor.device))
+    for arg, tensor in present:
+        _check_dense(tensor, opdef.name, arg.name)
     values = opdef.bind_attrs(attrs)
     specs = tuple(None if t is None else TensorSpec.of(t) for t in bound)
     opdef.check(specs, values)
@@ -413,10 +415,24 @@ def _distinct_elements(tensor: torch.Tensor) -> bool:
     return True
 
 
+def _check_dense(tensor: torch.Tensor, op: str, name: str) -> None:
+    """Kernels address elements through strides: a sparse (or other non-strided) layout
+    is refused before any of them runs.
+
+    Raises:
+        OpError: ``tensor`` is not of the strided layout.
+    """
+    if tensor.layout != torch.strided:
+        raise OpError("must be a dense tensor", op=op, param=name,
+                      expected="torch.strided layout (call .to_dense())",
+                      got=str(tensor.layout))
+
+
 def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise DtypeError("is not a tensor", op=op, param=name, expected="torch.Tensor",
                          got=type(tensor).__name__)
+    _check_dense(tensor, op, name)
     if tensor.dtype != spec.dtype:
         raise DtypeError("dtype differs from the plan's", op=op, param=name,
                          expected=dtype_name(spec.dtype), got=dtype_name(tensor.dtype))
@@ -628,7 +644,7 @@ def plan(op: str | OpDef, *tensors: torch.Tensor | None, **attrs: Any) -> Plan:
         if isinstance(tensor, torch.Tensor):
             if device is None:
                 device = tensor.device
-            described.append((tensor.shape, tensor.dtype, tensor.device))
+            described.append((tensor.shape, tensor.dtype, tensor.device, tensor.layout))
         else:
             described.append(tensor)
     hardware = profile_for(device)
