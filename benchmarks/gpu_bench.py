@@ -409,13 +409,20 @@ def mla_torch(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return MLA_PROLOG.precision.peer(*inputs, 1e-5, 1e-5, "PA_BSND")
 
 
+def _device_side(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` inside `opforge.device_side_checks` (no host read of indices)."""
+    with opforge.device_side_checks():
+        return function(*args)
+
+
 def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
              ) -> list[Row]:
     """bf16 MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024 tokens, 128 heads, a
     4096-slot cache) against the same computation composed of torch ops, eager and
     torch.compile (whose caches are functional copies: its scatter writes a new cache),
     and both opforge and the eager composition replayed from a CUDA graph (what a decode
-    step does, without the host's launch costs).
+    step does, without the host's launch costs); opforge also eagerly inside
+    `opforge.device_side_checks` (no synchronisation for the slot check).
     After a check of query and query_rope against the composition (max error relative to
     the largest magnitude, bound 3e-2). TFLOP/s from the operator's cost; the
     ``fraction_of_copy`` column holds the speed relative to torch eager."""
@@ -450,6 +457,9 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
                 except Exception as error:  # a capture that fails is reported
                     rows.append(_error_row("time", "mla_prolog", shape, "bf16", graphed,
                                            error))
+            # Eager without the slot check's synchronisation: the host runs ahead.
+            impls.append(("opforge (device-side checks)",
+                          functools.partial(_device_side, opforge.mla_prolog, *inputs)))
             timings = {}
             for impl, call in impls:
                 call()

@@ -199,12 +199,11 @@ def test_slot_beyond_the_cache_raises_before_any_write(backend):
     assert raised.value.param == "cache_index" and torch.equal(inputs[10], before)
 
 
-def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
-    """While a CUDA graph is captured the slot check cannot read the indices: the kernel
-    skips a slot beyond the cache instead. The caches are the front of larger buffers, so
-    a write past their end would show in the guard rows behind them."""
-    monkeypatch.setattr(opforge.core.backends, "capturing", lambda device: True)
-    inputs = _inputs(5, seed=8)
+def _guarded_call_with_a_slot_beyond(seed: int) -> tuple[list[torch.Tensor], ...]:
+    """(inputs whose token 2 names a slot beyond the cache, the same call with that token
+    skipped, the guard buffers): the caches are the front of larger buffers filled with
+    7, so a write past their end would show in the guard rows behind them."""
+    inputs = _inputs(5, seed=seed)
     slots = inputs[10].shape[0] * inputs[10].shape[1]
     inputs[9][2] = slots + 3
     guarded = []
@@ -214,15 +213,42 @@ def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
         buffer[:inputs[i].shape[0]] = inputs[i]
         guarded.append(buffer)
         inputs[i] = buffer[:inputs[i].shape[0]]
-    expected = [t.clone() for t in inputs]
-    expected[9][2] = -1  # what the skipped token amounts to
-    with opforge.use_backend("triton"):
-        ours = _run(inputs)
-        skipped = _run(expected)
-    for mine, theirs in zip(ours, skipped):
+    skipped = [t.clone() for t in inputs]
+    skipped[9][2] = -1  # what the skipped token amounts to
+    return inputs, skipped, guarded
+
+
+def _assert_skipped(inputs: list[torch.Tensor], skipped: list[torch.Tensor],
+                    guarded: list[torch.Tensor]) -> None:
+    for mine, theirs in zip(_run(inputs), _run(skipped)):
         assert torch.equal(mine, theirs)
     for buffer, cache in zip(guarded, inputs[10:]):
         assert (buffer[cache.shape[0]:] == 7.0).all()
+
+
+def test_under_graph_capture_slots_beyond_the_cache_write_nothing(monkeypatch):
+    """While a CUDA graph is captured the slot check cannot read the indices: the kernel
+    skips a slot beyond the cache instead."""
+    monkeypatch.setattr(opforge.core.backends, "capturing", lambda device: True)
+    with opforge.use_backend("triton"):
+        _assert_skipped(*_guarded_call_with_a_slot_beyond(8))
+
+
+def test_device_side_checks_skip_slots_beyond_the_cache_without_a_host_read(
+        backend, monkeypatch):
+    """Inside device_side_checks the slots are never read on the host (no
+    synchronisation): both launchers skip a slot beyond the cache, and outside the block
+    it is an IndexRangeError again."""
+    inputs, skipped, guarded = _guarded_call_with_a_slot_beyond(9)
+    reads = []
+    real_max = torch.Tensor.max
+    monkeypatch.setattr(torch.Tensor, "max",
+                        lambda self, *a, **k: reads.append(1) or real_max(self, *a, **k))
+    with opforge.device_side_checks():
+        _assert_skipped(inputs, skipped, guarded)
+    assert not reads
+    with pytest.raises(opforge.IndexRangeError):
+        _run(inputs)
 
 
 def test_fused_query_kernel_over_token_blocks_and_latent_chunks(query_path):

@@ -356,6 +356,18 @@ def test_use_backend_inside_a_compiled_function_applies_or_says_why():
             torch.compile(f, backend="aot_eager", fullgraph=True)(x)
 
 
+def test_device_side_checks_inside_a_compiled_function_say_why():
+    """Like use_backend, the setting is read when an operator runs: entered while
+    torch.compile traces it raises (fullgraph=True names it)."""
+    def f(x):
+        with opforge.device_side_checks():
+            return x + 1
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="device_side_checks inside a torch"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(3))
+
+
 def test_nn_modules_drop_in_for_torch():
     from opforge import nn
 

@@ -9,7 +9,7 @@ Set ``TRITON_INTERPRET=1`` before importing opforge to run the Triton kernels on
 """
 
 from opforge.core.autotune import autotuning, set_autotune, tuning_records
-from opforge.core.backends import use_backend
+from opforge.core.backends import device_side_checks, use_backend
 from opforge.core.errors import (
     AttrError,
     DeviceError,
@@ -75,6 +75,7 @@ __all__ = [
     "cache_stats",
     "calibrate",
     "clear_caches",
+    "device_side_checks",
     "embedding_dense_grad",
     "gelu",
     "get_op",

@@ -43,6 +43,39 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def host_reads_allowed(device: torch.device) -> bool:
+    """Whether a check may read device data on the host now (one synchronisation per
+    call): not while a CUDA graph is captured on ``device``'s stream, nor inside
+    `device_side_checks`. Kernels that take indices skip the out-of-range ones themselves
+    then."""
+    return not getattr(_state, "device_side", 0) and not capturing(device)
+
+
+@contextlib.contextmanager
+def device_side_checks() -> Iterator[None]:
+    """Inside the block (this thread), operators whose kernels skip out-of-range indices
+    themselves leave the range check to them instead of reading the indices on the host:
+    no synchronisation, so the host runs ahead of the device (a decode loop), and a bad
+    index writes nothing instead of raising `IndexRangeError`. ``mla_prolog``: a slot
+    beyond the cache is skipped like a negative one. Operators whose kernels cannot skip
+    (``embedding_dense_grad``, whose ``check_range=False`` is the explicit opt-out) still
+    check.
+
+    Raises:
+        RuntimeError: entered inside a function being compiled by torch.compile (it would
+            apply only while tracing).
+    """
+    if torch.compiler.is_compiling():
+        raise RuntimeError("opforge.device_side_checks inside a torch.compile'd function "
+                           "would only apply while tracing: enter it around the compiled "
+                           "call")
+    _state.device_side = getattr(_state, "device_side", 0) + 1
+    try:
+        yield
+    finally:
+        _state.device_side -= 1
+
+
 @functools.cache
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported."""

@@ -485,9 +485,10 @@ def _slot_count(kv_cache: object) -> int:
 def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
     """Contiguous caches (written in place by offset) and every slot below
     BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
-    device-to-host read of the largest slot, except while a CUDA graph is captured: the
-    read cannot run then, and the kernel skips slots beyond the cache instead (a replay
-    never writes out of bounds, and never raises).
+    device-to-host read of the largest slot, except while a CUDA graph is captured (the
+    read cannot run then) and inside `opforge.device_side_checks` (no synchronisation):
+    the launchers skip slots beyond the cache instead (nothing is written out of bounds,
+    and nothing raises).
 
     Raises:
         OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
@@ -498,7 +499,7 @@ def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
                           param=name, expected="a contiguous tensor",
                           got=f"strides {cache.stride()}")
     cache_index = inputs[9]
-    if cache_index.numel() == 0 or backends.capturing(cache_index.device):
+    if cache_index.numel() == 0 or not backends.host_reads_allowed(cache_index.device):
         return
     slots = _slot_count(plan.inputs[10])
     largest = int(cache_index.max())
@@ -599,9 +600,11 @@ def _scattered(cache: torch.Tensor, rows: torch.Tensor, cache_index: torch.Tenso
 
 def _write_rows(cache: torch.Tensor, rows: torch.Tensor, cache_index: torch.Tensor,
                 cache_mode: str, col0: int) -> None:
-    """Write ``rows`` (rounded to the cache's dtype) into ``cache`` in place."""
+    """Write ``rows`` (rounded to the cache's dtype) into ``cache`` in place; negative
+    slots and slots beyond the cache (let through by `opforge.device_side_checks`) are
+    skipped."""
     slots = cache_index.reshape(-1).to(torch.int64)
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < cache.shape[0] * cache.shape[1])
     width = cache.shape[-1]
     offsets = _slot_offsets(slots[keep], width, cache.shape[1], cache_mode == "PA_NZ", col0)
     cache.view(-1)[offsets.reshape(-1)] = rows[keep].reshape(-1).to(cache.dtype)
