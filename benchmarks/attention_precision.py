@@ -101,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
-        "OUT", "benchmarks/results")))
+        "OUT", "benchmarks/results")),
+        help="output directory (default: $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     results = {}

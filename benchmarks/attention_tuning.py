@@ -203,7 +203,8 @@ def write_sweep_report(out: Path, prefix: str, title: str, setting: str,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
-        "OUT", "benchmarks/results")))
+        "OUT", "benchmarks/results")),
+        help="output directory (default: $OUT, else benchmarks/results)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
                         help="comma-separated head dims to sweep")

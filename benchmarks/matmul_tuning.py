@@ -159,7 +159,8 @@ def timed_rows(device: torch.device, scale: int) -> list[dict[str, object]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
-        "OUT", "benchmarks/results")))
+        "OUT", "benchmarks/results")),
+        help="output directory (default: $OUT, else benchmarks/results)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run on the interpreter")
     parser.add_argument("--scale", type=int, default=1, help="divide every size by this")
     parser.add_argument("--compile-only", metavar="TARGET",

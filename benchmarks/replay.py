@@ -87,7 +87,8 @@ class Workload:
 
 def make_workload(calls: int, seed: int, hidden: int, max_seq: int, n_lengths: int,
                   dtype: torch.dtype, device: torch.device) -> Workload:
-    """Draw ``calls / 4`` steps of shape ``(batch * seq, hidden)`` from a seeded generator.
+    """Draw ``calls / CALLS_PER_STEP`` steps of shape ``(batch * seq, hidden)`` from a
+    seeded generator.
 
     One tensor per distinct row count is shared by the steps that use it: the plan cache
     keys on shapes, not on storage, and sharing keeps memory small for long replays.
@@ -440,7 +441,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line; rejects a CPU triton run without the interpreter."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=1000,
-                        help="operator calls per replay (4 per step; default 1000)")
+                        help=f"operator calls per replay ({CALLS_PER_STEP} per step; "
+                             "default 1000)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                         help="directory for replay_<date>_<time>.{csv,md}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

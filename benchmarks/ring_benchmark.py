@@ -48,7 +48,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get(
-        "OUT", "benchmarks/results")))
+        "OUT", "benchmarks/results")),
+        help="output directory (default: $OUT, else benchmarks/results)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

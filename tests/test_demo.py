@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from html.parser import HTMLParser
 
 import pytest
@@ -276,3 +277,12 @@ def test_demo_refuses_what_it_cannot_run_before_training(tmp_path, capsys):
     for arguments, message in cases:
         assert cli.main(["demo", "--quiet", *arguments]) == 2, arguments
         assert message in capsys.readouterr().out, arguments
+
+
+def test_demo_without_the_example_says_where_to_point_it(tmp_path, monkeypatch, capsys):
+    """An installed package without the repository's examples/: one line naming the
+    variable that points at them, exit 2 (a FileNotFoundError traceback before)."""
+    monkeypatch.setenv("OPFORGE_EXAMPLE_DIR", str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tiny_moe_lm_model", raising=False)
+    assert cli.main(["demo", "--quiet", "--out", str(tmp_path / "out")]) == 2
+    assert "OPFORGE_EXAMPLE_DIR=<clone>/examples/tiny_moe_lm" in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -590,15 +591,24 @@ def _demo_problem(args: argparse.Namespace) -> str | None:
     if device is not None and device.type not in ("cpu", "cuda"):
         return f"--device {args.device}: the demo runs on cpu or cuda"
     try:
+        example = load_example()
+    except FileNotFoundError as error:
+        return str(error)
+    try:
         with torch.device("meta"):
-            load_example().TinyMoELM(64, max_seq=16, **(args.model or {}))
+            example.TinyMoELM(64, max_seq=16, **(args.model or {}))
     except (ValueError, AssertionError, RuntimeError) as error:
         return f"--model {args.model}: {error}"
     writable = [Path(args.out)] + ([Path(args.doc).parent] if args.study and args.doc else [])
     for path in writable:
-        existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-        if not existing.is_dir() or not os.access(existing, os.W_OK):
-            return f"{path}: not a writable directory"
+        # Made now, not after training: permission bits do not stop root, the file system
+        # may (/proc).
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as error:
+            return f"{path}: not a writable directory ({error.strerror or error})"
     return None
 
 

@@ -46,8 +46,10 @@ def example_dir() -> Path:
     root = Path(os.environ.get(EXAMPLE_ENV) or
                 Path(__file__).resolve().parents[3] / "examples" / "tiny_moe_lm")
     if not (root / "model.py").exists():
-        raise FileNotFoundError(f"the tiny MoE language model is not at {root}: run from a "
-                                f"clone of the repository or set {EXAMPLE_ENV}")
+        raise FileNotFoundError(f"the tiny MoE language model is not at {root}: the demo "
+                                f"needs the repository's examples/ (install opforge from a "
+                                f"clone with pip install -e, or set "
+                                f"{EXAMPLE_ENV}=<clone>/examples/tiny_moe_lm)")
     return root
 
 
