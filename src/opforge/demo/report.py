@@ -153,7 +153,8 @@ def write_index(run: RunResult, out_dir: Path, certificate: Certificate | None,
     else:
         cert_html = "<p>(no certificate found)</p>"
     intro = (
-        "<p>This page is what <code>make run</code> (<code>opforge demo</code>) produced: "
+        "<p>This page is what <code>opforge demo</code> produced (<code>make run</code> "
+        "runs it with its defaults): "
         "a small character-level language model whose every layer is an opforge operator "
         "(embedding, RMSNorm, attention with RoPE, a mixture of GELU experts routed by "
         "<code>moe_gating_top_k</code>, softmax cross-entropy) trained on the Book of "

@@ -146,8 +146,8 @@ class Report:
         lines.extend(self.meta.notes)
         lines.extend(self.memory_lines())
         if hw.source in ("estimate", "runtime", "datasheet"):
-            lines.append(f"the ceilings are {hw.source} figures: `opforge calibrate` measures "
-                         "this device's copy bandwidth and matmul rate")
+            lines.append(f"the ceilings are {hw.source} figures: `opforge calibrate`, run on "
+                         "the profiled device, measures its copy bandwidth and matmul rate")
         if any((s.verdict.roofline_pct or 0) > 100 for s in self.by_name()):
             lines.append("a roofline % above 100 means the data sat in a cache, or the "
                          "ceilings are too low for this device")
