@@ -287,6 +287,10 @@ def test_run_refuses_what_is_not_an_out_or_a_workspace_of_its_own():
     out = torch.empty(2)
     with pytest.raises(opforge.OpError):
         plan.run(x, out=scratch[:8].view(torch.float32), workspace=scratch)
+    # Scratch starting off a 16-byte boundary (the launcher views it as float32).
+    with pytest.raises(opforge.OpError, match="not aligned") as raised:
+        plan.run(x, out=out, workspace=scratch[1:])
+    assert raised.value.param == "workspace"
     assert_golden(REDUCE_SUM, Case("own_scratch", (x,), {"dims": (1,)}),
                   plan.run(x, out=out, workspace=scratch))
 

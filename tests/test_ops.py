@@ -433,3 +433,20 @@ def test_an_out_that_overlaps_an_input_is_written_through_a_copy(backend):
         assert (targets[0] is out) == direct
     targets, _ = opforge.plan("matmul", a, b)._outputs(a, [a, b])
     assert targets[0] is not a
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda x: opforge.broadcast_add(x, x, alpha=1e300), "alpha"),
+    (lambda x: opforge.broadcast_add(x, x, alpha=-1e39), "alpha"),
+    (lambda x: opforge.reduce_sum(x, scale=1e300), "scale"),
+    (lambda x: opforge.attention(x, x, x, scale=1e39), "scale"),
+])
+def test_a_scalar_beyond_the_compute_dtype_is_an_attr_error(call, param, backend):
+    """Kernels apply alpha and scale in float32: 1e300 would be inf there and inf * 0 NaN
+    (torch.add refuses such an alpha too). Float64 inputs compute in float64, where it is
+    finite and the result exact."""
+    with pytest.raises(opforge.AttrError, match="not finite in float32") as raised:
+        call(torch.zeros(1, 1, 2, 4, device=DEVICE))
+    assert raised.value.param == param
+    wide = torch.ones(3, dtype=torch.float64, device=DEVICE)
+    assert torch.equal(opforge.broadcast_add(wide, wide * 0, alpha=1e300), wide)

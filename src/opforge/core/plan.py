@@ -88,6 +88,10 @@ class Signature:
     device: torch.device
 
 
+# Bytes a given workspace's first byte must be aligned to.
+WORKSPACE_ALIGNMENT = 16
+
+
 def validate(opdef: OpDef, tensors: Sequence[Any], attrs: Attrs) -> Signature:
     """Check a call against the operator's prototype and infer its outputs.
 
@@ -265,13 +269,14 @@ class Plan:
                 the kernels cannot write directly (strided for an operator without
                 `OpDef.strided_out`, or overlapping an input) is filled through a buffer.
             workspace: a uint8 (or any) tensor of at least `workspace_bytes` bytes on the
-                plan's device, sharing no memory with the inputs and outputs; taken from
-                the pool when omitted. With ``out`` written directly and
-                ``workspace`` given, `run` allocates neither outputs nor scratch and does
-                not synchronise, so it can be captured in a CUDA graph (a composite
-                operator's intermediates come from the graph's memory pool; a range check
-                that reads device indices on the host is skipped during capture, see
-                `backends.capturing`).
+                plan's device, starting on a `WORKSPACE_ALIGNMENT`-byte boundary (any
+                fresh tensor does) and sharing no memory with the inputs and outputs;
+                taken from the pool when omitted. With ``out`` written directly and
+                ``workspace`` given, `run` allocates neither outputs nor scratch, so it
+                can be captured in a CUDA graph (a composite operator's intermediates come
+                from the graph's memory pool), and does not synchronise, but for a range
+                check that reads device indices on the host (skipped during capture and
+                inside `opforge.device_side_checks`, see `backends.host_reads_allowed`).
 
         Returns:
             The output tensor for a single-output operator, else a tuple.
@@ -280,7 +285,7 @@ class Plan:
             ShapeError, DtypeError, DeviceError: a tensor does not match the plan.
             OpError: wrong number of inputs or outputs, an ``out`` or ``workspace`` that is
                 not a tensor, an ``out`` whose elements share memory (an expanded view), or
-                a workspace that is too small or overlaps an input or output.
+                a workspace that is too small, misaligned or overlaps an input or output.
         """
         return self._observed(self._check_inputs(tensors), out, workspace)
 
@@ -333,8 +338,9 @@ class Plan:
     def _workspace(self, workspace: torch.Tensor | None,
                    tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         """The scratch bytes: from the pool, or the given ``workspace`` once it is checked
-        to be a large enough contiguous tensor on the plan's device that shares no memory
-        with ``tensors`` (the inputs and outputs: scratch writes would corrupt them)."""
+        to be a large enough, aligned, contiguous tensor on the plan's device that shares
+        no memory with ``tensors`` (the inputs and outputs: scratch writes would corrupt
+        them)."""
         if self.workspace_bytes == 0:
             return None
         device = self.outputs[0].device
@@ -353,6 +359,13 @@ class Plan:
             raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
                           expected="a contiguous tensor", got=f"strides {workspace.stride()}")
         scratch = workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+        if scratch.data_ptr() % WORKSPACE_ALIGNMENT:
+            # Launchers view the scratch as float32 or int64, and kernels assume aligned
+            # vector access: the pool's buffers are aligned, a slice of one may not be.
+            raise OpError("workspace is not aligned", op=self.op.name, param="workspace",
+                          expected=f"a first byte on a {WORKSPACE_ALIGNMENT}-byte boundary",
+                          got=f"address % {WORKSPACE_ALIGNMENT} = "
+                              f"{scratch.data_ptr() % WORKSPACE_ALIGNMENT}")
         start, end = _span(scratch)
         for tensor in tensors:
             if tensor is not None and tensor.numel():

@@ -22,9 +22,11 @@ CANCELLING_GRADIENT = (
     "the same absolute accuracy; which has the larger worst relative error is rounding "
     "luck. Errors against the condition-aware scale stay within the test suite's bound.")
 OVERFLOWING_SQUARES = KnownLimitation(
-    "Row statistics are float32 sums of squares: squares of values beyond 1.8e19 overflow "
-    "them (the variance becomes Inf, rstd 0 and the mean Inf) although float64 holds them. "
-    "torch's CPU LayerNorm keeps these rows finite; rescaling each row by its largest "
-    "magnitude before squaring would too, and is not done yet. Only inputs within a few "
-    "orders of float32's maximum reach this.", case="large_*",
+    "Row statistics are float32 sums of squares: they overflow once the row's sum of "
+    "squares passes 3.4e38 (one value beyond 1.8e19, or N values beyond 1.8e19 / sqrt(N): "
+    "2.6e17 in a row of 5000), although float64 holds them; the variance becomes Inf and "
+    "rstd 0, so the row's outputs are 0 (or NaN), and subnormal rows with eps = 0 give a "
+    "variance of 0 and Inf outputs. torch's CPU LayerNorm keeps such rows finite; rescaling "
+    "each row by its largest magnitude before squaring would too, and is not done yet. "
+    "Only inputs within a few orders of float32's extremes reach this.", case="large_*",
     failures=("*NaN/Inf*", "*ratio*"))

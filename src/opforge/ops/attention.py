@@ -83,7 +83,12 @@ from opforge.library import register_op
 from opforge.ops._descriptors import descriptors_usable, use_scratch_allocator
 from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
-from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
+from opforge.ops._statistics import (
+    STATISTICS_DTYPES,
+    check_scalar,
+    check_statistics,
+    statistics_dtype,
+)
 from opforge.precision.cases import LONG_ROW, generate
 
 try:
@@ -145,6 +150,7 @@ def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
     q, k, v = inputs
+    check_scalar("attention", "scale", attrs["scale"], inputs)
     _same_dtype("attention", q, (("k", k), ("v", v)))
     if not any(is_unknown_rank(t.shape) for t in inputs):
         _shapes(q, k, v, "attention")
@@ -550,6 +556,7 @@ ATTENTION = OpDef(
 def _check_backward(inputs: Specs, attrs: Attrs) -> None:
     dout, q, k, v, out, lse, grad_lse = inputs
     op = "attention_backward"
+    check_scalar(op, "scale", attrs["scale"], inputs)
     _same_dtype(op, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
     check_statistics(op, q, [("lse", lse), ("grad_lse", grad_lse)])
     if any(is_unknown_rank(t.shape) for t in inputs if t is not None):

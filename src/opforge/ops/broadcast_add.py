@@ -24,6 +24,7 @@ from opforge.ops._elementwise import (
     launch_elementwise,
     random_input,
 )
+from opforge.ops._statistics import check_scalar
 from opforge.ops.reduce_sum import sum_to_shape
 from opforge.precision.cases import generate
 
@@ -37,6 +38,7 @@ NAME = "broadcast_add"
 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
+    check_scalar(NAME, "alpha", attrs["alpha"], inputs)
     for name, spec in zip(("a", "b"), inputs):
         if not is_unknown_rank(spec.shape) and len(spec.shape) > MAX_DIMS:
             raise ShapeError("has too many dims", op=NAME, param=name,

@@ -45,6 +45,7 @@ from opforge.core.tiling import (
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
+from opforge.ops._statistics import check_scalar
 from opforge.precision.cases import generate
 
 try:
@@ -67,6 +68,7 @@ def _reduced(inputs: Specs, attrs: Attrs) -> tuple[int, ...]:
 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
+    check_scalar(NAME, "scale", attrs["scale"], inputs)
     if not is_unknown_rank(inputs[0].shape):
         _reduced(inputs, attrs)
 

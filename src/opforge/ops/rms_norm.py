@@ -3,7 +3,9 @@
 ``rms_norm(x, weight, eps) -> (y, rstd)``: ``rstd = 1 / sqrt(mean(x^2) + eps)`` per row in
 float32 and ``y = x * rstd * weight`` (CANN's RmsNorm and ``torch_npu.npu_rms_norm``; torch's
 ``F.rms_norm`` returns ``y`` alone, as `opforge.rms_norm` does). The squares are summed in
-float32, so float16 values near 65504 do not overflow (their squares reach 4.3e9).
+float32, so float16 values near 65504 do not overflow (their squares reach 4.3e9); a row
+whose sum of squares passes float32's 3.4e38 (bfloat16 or float32 values beyond
+1.8e19 / sqrt(N)) does, and normalises to 0, as do layer_norm's (`OVERFLOWING_SQUARES`).
 ``add_rms_norm(x, residual, weight, eps) -> (y, rstd, x + residual)`` reads each input once
 and normalises the float32 sum (CANN's AddRmsNorm). ``weight`` may be ``None`` (no scale)
 and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 (float64
