@@ -97,9 +97,10 @@ def _padded(shape: torch.Size, dims: int) -> list[int]:
 
 def _agree(local: OpError | None, spec: list[int], device: torch.device,
            group: dist.ProcessGroup | None, timeout: datetime.timedelta, op: str,
-           what: str) -> None:
+           param: str, what: str) -> None:
     """Raise on every rank of ``group`` when one rank's own check failed (``local``) or
-    the ranks' ``spec`` differ (a list of ints of the same length on every rank), so that
+    the ranks' ``spec`` differ (a list of ints of the same length on every rank; ``what``
+    names its entries, ``param`` the argument they describe), so that
     no rank goes on to a transfer its peers will not make. One MAX all-reduce of
     (spec, -spec) gives every rank the largest and smallest value of each entry: equal
     everywhere exactly when the ranks agree.
@@ -118,10 +119,10 @@ def _agree(local: OpError | None, spec: list[int], device: torch.device,
     highest = both[:len(flagged)].tolist()
     lowest = [-value for value in both[len(flagged):].tolist()]
     if highest[0]:
-        raise ShapeError(f"another rank's {what} failed their checks", op=op, param=what,
-                         expected=f"valid {what} on every rank", got="an error on a peer")
+        raise ShapeError("another rank's arguments failed their checks", op=op, param=param,
+                         expected="valid arguments on every rank", got="an error on a peer")
     if highest != lowest:
-        raise ShapeError(f"the ranks' {what} differ", op=op, param=what,
+        raise ShapeError(f"the ranks' {what} differ", op=op, param=param,
                          expected=f"the same on every rank: {lowest[1:]}",
                          got=f"up to {highest[1:]}")
 
@@ -210,7 +211,7 @@ def unshard_sequence(shard: torch.Tensor, dim: int, mode: str | None = None,
         local = error
     _agree(local, [shard.dim(), *_padded(shard.shape, MAX_SHARD_DIMS),
                    _dtype_code(shard.dtype)], shard.device, group, timeout,
-           "unshard_sequence", "shards")
+           "unshard_sequence", "shard", "shards (dims, shape, dtype)")
     return _Unshard.apply(shard, dim, mode, group, timeout)
 
 
@@ -454,8 +455,8 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     scale_bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", scale))[0]
     spec = [*(size for t in (q, k, v) for size in _padded(t.shape, 4)),
             _dtype_code(q.dtype), int(causal), LAYOUTS.index(layout), scale_bits]
-    _agree(local, spec, q.device, group, timeout, op,
-           "shards (q, k, v shapes, dtype, causal, layout, scale bits)")
+    _agree(local, spec, q.device, group, timeout, op, "q",
+           "shards and attributes (q, k, v shapes, dtype, causal, layout, scale bits)")
 
 
 @dataclass(frozen=True)
