@@ -54,12 +54,11 @@ def host_reads_allowed(device: torch.device) -> bool:
 @contextlib.contextmanager
 def device_side_checks() -> Iterator[None]:
     """Inside the block (this thread), operators whose kernels skip out-of-range indices
-    themselves leave the range check to them instead of reading the indices on the host:
-    no synchronisation, so the host runs ahead of the device (a decode loop), and a bad
-    index writes nothing instead of raising `IndexRangeError`. ``mla_prolog``: a slot
-    beyond the cache is skipped like a negative one. Operators whose kernels cannot skip
-    (``embedding_dense_grad``, whose ``check_range=False`` is the explicit opt-out) still
-    check.
+    themselves leave the range check to them instead of reading the indices on the host
+    (their `OpDef.check_values` asks `host_reads_allowed`): no synchronisation, so the host
+    runs ahead of the device (a decode loop), and a bad index writes nothing instead of
+    raising `IndexRangeError`. Operators whose kernels cannot skip still check (the README
+    says which operator is which).
 
     Raises:
         RuntimeError: entered inside a function being compiled by torch.compile (it would

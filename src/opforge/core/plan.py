@@ -404,8 +404,8 @@ def _check_writable(tensor: torch.Tensor | None, op: str, name: str) -> None:
 
 
 def _overwrites_what_it_reads(opdef: OpDef, tensors: Sequence[Any]) -> bool:
-    """Whether an input the operator updates in place shares memory with another input (a
-    ``token_x`` viewing cache rows the call overwrites): a second run would read what the
+    """Whether an input the operator updates in place shares memory with another input
+    (one viewing rows of a cache the call overwrites): a second run would read what the
     first wrote, so autotuning's repeated runs must not happen."""
     mutated = set(opdef.mutated_inputs)
     written = [_span(tensors[i]) for i in mutated if tensors[i] is not None and tensors[i].numel()]
