@@ -156,6 +156,7 @@ def test_attribute_values_equal_in_value_but_not_type_never_share_a_plan():
     (lambda q: opforge.attention(q, q, q, scale=True), "scale"),
     (lambda q: opforge.attention(q, q, q, scale=10 ** 400), "scale"),
     (lambda q: opforge.gelu(q, approximate=None), "approximate"),
+    (lambda q: opforge.reduce_sum(q, dims=[True]), "dims"),
 ])
 def test_functionals_refuse_attribute_values_the_dispatcher_would_convert(call, param):
     """None or 1 for a bool, True for a float: the torch dispatcher converts them, plan

@@ -226,9 +226,10 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
 
 # Python types an attribute value of each kind has as given (any other goes through
 # `Attr.validate`): the dispatcher would convert a few others silently (None or 1 for a
-# bool, True for a float), which `plan` rejects.
+# bool, True for a float or an element of a list of ints), which `plan` rejects. A list
+# of ints is always validated: its elements are what matters.
 _GIVEN_TYPES = {"bool": (bool,), "int": (int,), "float": (float, int), "str": (str,),
-                "ints": (tuple, list, int)}
+                "ints": (int,)}
 _attribute_types: dict[str, tuple[int, tuple[tuple[Attr, frozenset[type]], ...]]] = {}
 
 
