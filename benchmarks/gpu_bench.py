@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -207,12 +208,11 @@ MATMUL_SHAPES = ((4096, torch.bfloat16), (8192, torch.bfloat16), (4096, torch.fl
 
 
 def matmul_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
-                ) -> list[Row]:
+                ) -> Iterator[Row]:
     """Square matmuls (bf16 4096^3 and 8192^3, fp32 4096^3 without tf32): opforge against
     torch.matmul (cuBLAS) and torch.compile, after a correctness check. GB/s is replaced by
     TFLOP/s (2 n^3 / time) in the ``gb_per_s`` column and the ratio to cuBLAS in
     ``fraction_of_copy``."""
-    rows = []
     generator = torch.Generator(device=device).manual_seed(2)
     for n, dtype in MATMUL_SHAPES:
         shape, name = f"{n}x{n}x{n}", _dtype_text(dtype)
@@ -225,7 +225,7 @@ def matmul_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_m
             scale = (a.float().abs() @ b.float().abs()).max().item()
             diff = max_abs_diff(actual, expected)
             eps = torch.finfo(dtype).eps
-            rows.append(Row("check", "matmul", shape, name, "opforge vs torch.matmul",
+            yield (Row("check", "matmul", shape, name, "opforge vs torch.matmul",
                             max_abs_diff=diff, status="ok" if diff <= 4 * eps * scale
                             else "FAIL", detail=f"bound 4 eps * max(|a||b|) = "
                                                 f"{4 * eps * scale:.3g}"))
@@ -241,12 +241,11 @@ def matmul_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_m
                 timings[impl] = bench_us(call, warmup_ms, rep_ms)
             cublas = timings["torch.matmul (cuBLAS)"]
             for impl, us in timings.items():
-                rows.append(Row("time", "matmul", shape, name, impl, us, None,
+                yield (Row("time", "matmul", shape, name, impl, us, None,
                                 2 * n**3 / (us * 1e-6) / 1e12, cublas / us,
                                 detail="TFLOP/s; ratio to cuBLAS"))
         except Exception as error:  # reported; the next shape still runs
-            rows.append(_error_row("time", "matmul", shape, name, "opforge", error))
-    return rows
+            yield (_error_row("time", "matmul", shape, name, "opforge", error))
 
 
 def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
@@ -298,7 +297,10 @@ def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: to
 # (B, H, Hkv, Sq, Sk, D, causal): MHA at head dims 64, 128 and 256, causal at 4k and 8k,
 # GQA 4:1; then decoding with a KV cache (one and 16 new queries, GQA, forward only; a
 # batch of 8 fills the cores, one sequence of 32k keys needs the key slices).
-ATTENTION_SHAPES = ((4, 16, 16, 4096, 4096, 64, False), (4, 16, 16, 4096, 4096, 128, False),
+# B, H, H_kv, Sq, Sk, D, causal. The first is the speed target's shape (bf16, B 4, H 32,
+# S 4096, D 128, causal), the one `--targets` keeps.
+ATTENTION_SHAPES = ((4, 32, 32, 4096, 4096, 128, True),
+                    (4, 16, 16, 4096, 4096, 64, False), (4, 16, 16, 4096, 4096, 128, False),
                     (4, 16, 16, 4096, 4096, 128, True), (2, 16, 16, 8192, 8192, 128, True),
                     (4, 32, 8, 4096, 4096, 128, True), (2, 8, 8, 4096, 4096, 256, False),
                     (8, 32, 8, 1, 8192, 128, False), (8, 32, 8, 16, 8192, 128, False),
@@ -337,7 +339,8 @@ def _forward_backward(call: Callable[..., torch.Tensor], leaves: Sequence[torch.
     return torch.autograd.grad(call(*leaves, causal), leaves, upstream)
 
 
-def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Row]:
+def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int,
+                   shapes: Sequence[tuple[int, ...]] = ATTENTION_SHAPES) -> Iterator[Row]:
     """bf16 attention, forward and forward + backward (decoding shapes: forward only, a
     memory-bound case whose TFLOP/s are small by nature): opforge against torch SDPA's
     FlashAttention and cuDNN backends and its default choice, after a check of out, dq, dk
@@ -346,9 +349,8 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
     forward + backward 3.5 times that; the ``fraction_of_copy`` column holds the speed
     relative to the FlashAttention backend. A backend that refuses a shape (cuDNN and
     grouped-query heads, say) gets an ``n/a`` row with its reason."""
-    rows = []
     generator = torch.Generator(device=device).manual_seed(3)
-    for b, h, hkv, sq, sk, d, causal in ATTENTION_SHAPES:
+    for b, h, hkv, sq, sk, d, causal in shapes:
         lengths = f"S{sk}" if sq == sk else f"Sq{sq} Sk{sk}"
         shape = f"B{b} H{h}/{hkv} {lengths} D{d}{' causal' if causal else ''}"
         try:
@@ -364,7 +366,7 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
             their_grads = _forward_backward(_sdpa, leaves, upstream, causal)
             worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
                         for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
-            rows.append(Row("check", "attention", shape, "bf16", "opforge vs SDPA (out, dq, "
+            yield (Row("check", "attention", shape, "bf16", "opforge vs SDPA (out, dq, "
                             "dk, dv)", max_abs_diff=worst,
                             status="ok" if worst <= 2e-2 else "FAIL",
                             detail="max |diff| / max |SDPA|, bound 2e-2"))
@@ -383,18 +385,17 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int) -> list[Ro
                                                             upstream, causal),
                                           warmup_ms, rep_ms)
                     except RuntimeError as error:  # the backend refuses this shape
-                        rows.append(Row("time", f"attention {mode}", shape, "bf16", impl,
+                        yield (Row("time", f"attention {mode}", shape, "bf16", impl,
                                         status="n/a", detail=str(error).splitlines()[0][:200]))
                         continue
                     reference_us = reference_us or (us if impl == "SDPA flash" else None)
-                    rows.append(Row("time", f"attention {mode}", shape, "bf16", impl, us,
+                    yield (Row("time", f"attention {mode}", shape, "bf16", impl, us,
                                     None, work / (us * 1e-6) / 1e12,
                                     reference_us / us if reference_us else None,
                                     detail="TFLOP/s; ratio to SDPA flash"))
             torch.cuda.empty_cache()
         except Exception as error:  # reported; the next shape still runs
-            rows.append(_error_row("time", "attention", shape, "bf16", "opforge", error))
-    return rows
+            yield (_error_row("time", "attention", shape, "bf16", "opforge", error))
 
 
 # DeepSeek-V3's MLA sizes: He, Hcq, Hckv, N, D, Dr; token counts (decode, prefill).
@@ -416,7 +417,7 @@ def _device_side(function: Callable[..., Any], *args: Any) -> Any:
 
 
 def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
-             ) -> list[Row]:
+             ) -> Iterator[Row]:
     """bf16 MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024 tokens, 128 heads, a
     4096-slot cache) against the same computation composed of torch ops, eager and
     torch.compile (whose caches are functional copies: its scatter writes a new cache),
@@ -428,7 +429,6 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
     ``fraction_of_copy`` column holds the speed relative to torch eager."""
     from opforge.ops.mla_prolog import mla_inputs
 
-    rows = []
     for tokens in MLA_TOKENS:
         shape = f"T{tokens} He7168 N128"
         try:
@@ -440,7 +440,7 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
             theirs = mla_torch(*inputs)
             worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
                         for a, e in zip(ours[:2], theirs[:2]))
-            rows.append(Row("check", "mla_prolog", shape, "bf16", "opforge vs torch ops",
+            yield (Row("check", "mla_prolog", shape, "bf16", "opforge vs torch ops",
                             max_abs_diff=worst, status="ok" if worst <= 3e-2 else "FAIL",
                             detail="max |diff| / max |torch|, bound 3e-2"))
             cost = opforge.plan("mla_prolog", *inputs).cost
@@ -455,23 +455,27 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
                 try:
                     impls.append((graphed, captured(call, device).replay))
                 except Exception as error:  # a capture that fails is reported
-                    rows.append(_error_row("time", "mla_prolog", shape, "bf16", graphed,
+                    yield (_error_row("time", "mla_prolog", shape, "bf16", graphed,
                                            error))
             # Eager without the slot check's synchronisation: the host runs ahead.
             impls.append(("opforge (device-side checks)",
                           functools.partial(_device_side, opforge.mla_prolog, *inputs)))
             timings = {}
             for impl, call in impls:
-                call()
-                torch.cuda.synchronize()
-                timings[impl] = bench_us(call, warmup_ms, rep_ms)
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    timings[impl] = bench_us(call, warmup_ms, rep_ms)
+                except Exception as error:  # reported; the other implementations still run
+                    yield (_error_row("time", "mla_prolog", shape, "bf16", impl, error))
+            eager_us = timings.get("torch eager")
             for impl, us in timings.items():
-                rows.append(Row("time", "mla_prolog", shape, "bf16", impl, us, None,
-                                cost.flops / (us * 1e-6) / 1e12, timings["torch eager"] / us,
+                yield (Row("time", "mla_prolog", shape, "bf16", impl, us, None,
+                                cost.flops / (us * 1e-6) / 1e12,
+                                eager_us / us if eager_us else None,
                                 detail="TFLOP/s; ratio to torch eager"))
         except Exception as error:  # reported; the next size still runs
-            rows.append(_error_row("time", "mla_prolog", shape, "bf16", "opforge", error))
-    return rows
+            yield (_error_row("time", "mla_prolog", shape, "bf16", "opforge", error))
 
 
 GATING_TOKENS = (1, 128, 16384)
@@ -486,7 +490,7 @@ def _gating_torch(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ..
 
 
 def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
-                 ) -> list[Row]:
+                 ) -> Iterator[Row]:
     """DeepSeek-V3 routing (E = 256, 8 groups, k_group 4, k 8, sigmoid, bias) at T = 1,
     128 and 16384 against the torch composition, eager and compiled, after a check that
     the experts agree; then the embedding gradient (V = 128256, D = 4096, T = 16384, bf16,
@@ -494,7 +498,6 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
     ``fraction_of_copy`` column holds the speed relative to torch eager."""
     from opforge.ops.embedding_dense_grad import zipf_indices
 
-    rows = []
     generator = torch.Generator().manual_seed(4)
     for tokens in GATING_TOKENS:
         shape = f"T{tokens} E256"
@@ -504,7 +507,7 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
             ours = opforge.moe_gating_top_k(x, 8, bias=bias, **DEEPSEEK_ROUTING)
             theirs = _gating_torch(x, bias)
             same = torch.equal(ours[1].sort(-1)[0], theirs[1].sort(-1)[0])
-            rows.append(Row("check", "moe_gating_top_k", shape, "bf16", "experts vs torch",
+            yield (Row("check", "moe_gating_top_k", shape, "bf16", "experts vs torch",
                             status="ok" if same else "FAIL", detail="same expert sets"))
             impls = [("opforge", functools.partial(opforge.moe_gating_top_k, x, 8, bias=bias,
                                                    **DEEPSEEK_ROUTING)),
@@ -514,11 +517,11 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
                     torch.compile(_gating_torch, dynamic=False), x, bias)))
             timings = {impl: bench_us(call, warmup_ms, rep_ms) for impl, call in impls}
             for impl, us in timings.items():
-                rows.append(Row("time", "moe_gating_top_k", shape, "bf16", impl, us,
+                yield (Row("time", "moe_gating_top_k", shape, "bf16", impl, us,
                                 x.numel() * 2, bandwidth(x.numel() * 2, us),
                                 timings["torch eager"] / us, detail="ratio to torch eager"))
         except Exception as error:  # reported; the next size still runs
-            rows.append(_error_row("time", "moe_gating_top_k", shape, "bf16", "opforge",
+            yield (_error_row("time", "moe_gating_top_k", shape, "bf16", "opforge",
                                    error))
     for name in ("uniform", "zipf"):
         shape = f"V128256 D4096 T16384 {name}"
@@ -536,19 +539,18 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
             expected = impls[2][1]().float()
             for impl, call in impls[:2]:
                 diff = max_abs_diff(call(), expected)
-                rows.append(Row("check", "embedding_dense_grad", shape, "bf16", impl,
+                yield (Row("check", "embedding_dense_grad", shape, "bf16", impl,
                                 max_abs_diff=diff, status="ok" if diff < 0.5 else "FAIL",
                                 detail="vs aten, bf16 rows summed"))
             timings = {impl: bench_us(call, warmup_ms, rep_ms) for impl, call in impls}
             moved = grad.numel() * 2 + 128256 * 4096 * 2
             for impl, us in timings.items():
-                rows.append(Row("time", "embedding_dense_grad", shape, "bf16", impl, us,
+                yield (Row("time", "embedding_dense_grad", shape, "bf16", impl, us,
                                 moved, bandwidth(moved, us), timings["torch aten"] / us,
                                 detail="ratio to torch aten"))
         except Exception as error:  # reported; the next case still runs
-            rows.append(_error_row("time", "embedding_dense_grad", shape, "bf16", "opforge",
+            yield (_error_row("time", "embedding_dense_grad", shape, "bf16", "opforge",
                                    error))
-    return rows
 
 
 def max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -829,6 +831,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="skip the attention, MlaProlog, routing and embedding timings")
     parser.add_argument("--skip-bandwidth", action="store_true",
                         help="skip the memory-bound operators and the graph checks")
+    parser.add_argument("--targets", action="store_true",
+                        help="only the speed targets: attention at B 4, H 32, S 4096, D 128 "
+                             "causal and MlaProlog at DeepSeek-V3 sizes")
     parser.add_argument("--autotune", action="store_true",
                         help="autotune opforge's tilings on first use; report the choices")
     parser.add_argument("--seed", type=int, default=0)
@@ -853,24 +858,29 @@ def main(argv: Sequence[str] | None = None) -> int:
               "rep_ms": args.rep_ms, "copy_mib": args.copy_mib,
               "torch_compile": not args.no_compile, "seed": args.seed,
               "gelu_approximate": GELU_APPROXIMATE, "alpha": ALPHA,
-              "autotune": args.autotune}
+              "autotune": args.autotune, "targets": args.targets}
     opforge.set_autotune(args.autotune)
     rows = [measure_copy(args.copy_mib << 20, device, args.warmup_ms, args.rep_ms)]
     _print_row(rows[0])
     copy_gb_s = rows[0].gb_per_s
     assert copy_gb_s is not None
+    # Rows are printed as they come: a run stopped at its time limit keeps what it measured.
+    parts: list[Iterator[Row]] = []
     if not args.skip_attention:
-        for row in [*attention_rows(device, args.warmup_ms, args.rep_ms),
-                    *mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms),
-                    *routing_rows(device, not args.no_compile, args.warmup_ms,
-                                  args.rep_ms)]:
-            _print_row(row)
-            rows.append(row)
+        parts += [attention_rows(device, args.warmup_ms, args.rep_ms,
+                                 ATTENTION_SHAPES[:1] if args.targets else ATTENTION_SHAPES),
+                  mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms)]
+        if not args.targets:
+            parts.append(routing_rows(device, not args.no_compile, args.warmup_ms,
+                                      args.rep_ms))
+    for row in itertools.chain(*parts):
+        _print_row(row)
+        rows.append(row)
     # One compiled function per operator: a new shape recompiles (dynamic=False), which
     # gives inductor's best kernel for each size, as a static-shape deployment would get.
     compiled: dict[str, Callable[..., torch.Tensor]] = {}
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    for shape in [] if args.skip_bandwidth else args.shapes:
+    for shape in [] if args.skip_bandwidth or args.targets else args.shapes:
         for case in make_cases(shape, dtype, device, generator):
             if not args.no_compile and case.op not in compiled:
                 compiled[case.op] = torch.compile(case.eager_fn, dynamic=False)
@@ -884,11 +894,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_row(row)
             rows.append(row)
         torch.cuda.empty_cache()
-    for row in matmul_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms):
+    for row in [] if args.targets else matmul_rows(device, not args.no_compile,
+                                                   args.warmup_ms, args.rep_ms):
         _print_row(row)
         rows.append(row)
-    for row in [] if args.skip_bandwidth else graph_checks(dtype, device, args.warmup_ms,
-                                                            args.rep_ms):
+    skip_graphs = args.skip_bandwidth or args.targets
+    for row in [] if skip_graphs else graph_checks(dtype, device, args.warmup_ms, args.rep_ms):
         _print_row(row)
         rows.append(row)
     env = environment(device)

@@ -8,11 +8,12 @@
 #   env            environment (env.txt)
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
 #                  gradient, then the bandwidth kernels)
-#   gpu_bench_tuned  gpu_bench.py --autotune --skip-bandwidth: attention, MlaProlog,
-#                  routing, the embedding gradient and matmul with every tiling bucket
-#                  autotuned on first use (OPFORGE_AUTOTUNE_MAX candidates, default 6
-#                  here; choices kept in $OUT/autotune.json); the report lists each
-#                  candidate's time. Not in the default STEPS: ask for it
+#   gpu_bench_tuned  gpu_bench.py --autotune $TUNED_ARGS (default --targets: the speed
+#                  targets' attention shape and MlaProlog; --skip-bandwidth adds every
+#                  attention shape, routing, the embedding gradient and matmul) with every
+#                  tiling bucket autotuned on first use (OPFORGE_AUTOTUNE_MAX candidates,
+#                  default 6 here; choices kept in $OUT/autotune.json); the report lists
+#                  each candidate's time. Not in the default STEPS: ask for it
 #   attention_precision  the attention precision study up to S = 16384
 #   tests          the matmul, MlaProlog, rope, attention, gating, embedding and autotuning
 #                  tests (no hypothesis; the newest GPU paths first: split K, tensor
@@ -102,10 +103,10 @@ step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "
 if wanted gpu_bench_tuned; then mkdir -p "$OUT/tuned"; fi
 OPFORGE_AUTOTUNE_CACHE="$OUT/autotune.json" OPFORGE_AUTOTUNE_MAX=${OPFORGE_AUTOTUNE_MAX:-6} \
   step gpu_bench_tuned "${TUNED_TIMEOUT:-300}" "$PYTHON" benchmarks/gpu_bench.py \
-  --out "$OUT/tuned" --autotune --skip-bandwidth
+  --out "$OUT/tuned" --autotune ${TUNED_ARGS:---targets}
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
-step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 \
   tests/test_matmul.py tests/test_mla_prolog.py tests/test_rope.py tests/test_attention.py \
   tests/test_moe_gating.py tests/test_embedding_dense_grad.py tests/test_autotune.py \
   tests/test_monitor.py::test_a_model_split_over_devices_is_analysed -k "not property"
