@@ -263,7 +263,7 @@ def _token_x_in_the_cache() -> list[torch.Tensor]:
     x = kv_cache.view(-1)[:inputs[0].numel()].view(inputs[0].shape)
     x.copy_(inputs[0])
     inputs[0], inputs[10], inputs[11] = x, kv_cache, inputs[11].clone()
-    inputs[9] = torch.arange(0, 10, 2)
+    inputs[9] = torch.arange(0, 10, 2, device=DEVICE)
     return inputs
 
 

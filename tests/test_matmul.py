@@ -114,13 +114,20 @@ def test_tf32_only_on_request(monkeypatch):
 
 
 def test_tiling_follows_the_problem_and_the_device():
-    a, b = _x(4096, 4096, dtype=torch.bfloat16), _x(4096, 4096, dtype=torch.bfloat16)
-    skinny = _x(4, 4096, dtype=torch.bfloat16)
+    """On an H200, 128 x 256 tiles with two warpgroups when they give each SM two tiles,
+    else 128 x 128 ones; 16-row tiles for a few rows."""
+    bf16 = {"dtype": torch.bfloat16, "device": DEVICE}
+    a, b = torch.empty(4096, 4096, **bf16), torch.empty(4096, 4096, **bf16)
+    rows, weight = torch.empty(1024, 8192, **bf16), torch.empty(8192, 2048, **bf16)
+    skinny = torch.empty(4, 4096, **bf16)
     with opforge.use_backend("triton"), opforge.use_hardware("h200"):
         big = opforge.plan(MATMUL, a, b).tiling
+        few_tiles = opforge.plan(MATMUL, rows, weight).tiling
         small = opforge.plan(MATMUL, skinny, b).tiling
-    assert big.blocks == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
-    assert big.options["stages"] >= 2 and big.options["warps"] >= 4
+    assert big.blocks == {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}
+    assert (big.options["warps"], big.options["stages"]) == (8, 3)
+    assert few_tiles.blocks == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
+    assert (few_tiles.options["warps"], few_tiles.options["stages"]) == (8, 4)
     assert small.blocks["BLOCK_M"] == 16
     with opforge.use_backend("triton"), opforge.use_hardware("cpu"):
         assert opforge.plan(MATMUL, a, b).tiling.options["stages"] is None
@@ -289,7 +296,7 @@ def test_skinny_products_on_a_gpu_profile_split_k():
 
 def test_linear_is_a_drop_in_for_torch():
     torch.manual_seed(0)
-    ours, theirs = opforge.nn.Linear(12, 5), torch.nn.Linear(12, 5)
+    ours, theirs = opforge.nn.Linear(12, 5).to(DEVICE), torch.nn.Linear(12, 5).to(DEVICE)
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert ours.extra_repr() == theirs.extra_repr()
     ours.load_state_dict(theirs.state_dict())
@@ -306,7 +313,7 @@ def test_errors_come_before_any_kernel():
     with pytest.raises(opforge.ShapeError, match="inner"):
         opforge.matmul(_x(3, 4), _x(5, 2))
     with pytest.raises(opforge.ShapeError):
-        opforge.matmul(torch.tensor(1.0), _x(3))
+        opforge.matmul(torch.tensor(1.0, device=DEVICE), _x(3))
     with pytest.raises(opforge.ShapeError):
         opforge.matmul(_x(2, 3, 4), _x(3, 4, 5))
     with pytest.raises(opforge.DtypeError, match="dtype"):

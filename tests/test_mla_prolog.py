@@ -199,6 +199,25 @@ def test_slot_beyond_the_cache_raises_before_any_write(backend):
     assert raised.value.param == "cache_index" and torch.equal(inputs[10], before)
 
 
+def test_slot_check_waits_only_before_the_caches_are_written(query_path):
+    """The Triton launcher queues the query path before it waits for the slot read: a slot
+    beyond the cache raises before either cache is written, and the query outputs given
+    as out= (NaN-poisoned) already hold the call's queries, which do not depend on the
+    slots."""
+    inputs = _inputs(5, seed=4)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("mla_prolog", *inputs)
+        expected = plan.run(*[t.clone() for t in inputs])
+        inputs[9][1] = inputs[10].shape[0] * inputs[10].shape[1]
+        caches = [t.clone() for t in inputs[10:]]
+        out = [torch.full_like(expected[i], float("nan")) for i in (0, 1)]
+        with pytest.raises(opforge.IndexRangeError):
+            plan.run(*inputs, out=out)
+    assert all(torch.equal(cache, before) for cache, before in zip(inputs[10:], caches))
+    for got, want in zip(out, expected[:2]):
+        assert torch.equal(got, want)
+
+
 def _guarded_call_with_a_slot_beyond(seed: int) -> tuple[list[torch.Tensor], ...]:
     """(inputs whose token 2 names a slot beyond the cache, the same call with that token
     skipped, the guard buffers): the caches are the front of larger buffers filled with

@@ -55,7 +55,7 @@ def host_reads_allowed(device: torch.device) -> bool:
 def device_side_checks() -> Iterator[None]:
     """Inside the block (this thread), operators whose kernels skip out-of-range indices
     themselves leave the range check to them instead of reading the indices on the host
-    (their `OpDef.check_values` asks `host_reads_allowed`): no synchronisation, so the host
+    (their checks ask `host_reads_allowed`): no synchronisation, so the host
     runs ahead of the device (a decode loop), and a bad index writes nothing instead of
     raising `IndexRangeError`. Operators whose kernels cannot skip still check (the README
     says which operator is which).
@@ -73,6 +73,34 @@ def device_side_checks() -> Iterator[None]:
         yield
     finally:
         _state.device_side -= 1
+
+
+class HostRead:
+    """A device value on its way to the host. The copy is queued on the current stream
+    behind the work already there, and `value` waits for that copy alone: kernels queued
+    between the two keep the device busy while the host waits, where a plain ``.item()``
+    would drain the queue and leave the device idle until the host launches again. A CPU
+    tensor is read at once.
+
+    Args:
+        tensor: the value to read (small: a reduction's result).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._host = tensor
+
+    def value(self) -> torch.Tensor:
+        """The tensor on the host, once its copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
 
 
 @functools.cache

@@ -144,15 +144,18 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
             ) -> list[Tiling]:
     """Block sizes from the problem and the device: 128-wide output tiles for large
     problems, narrower ones for skinny M or N, ``BLOCK_K`` 64 for 16-bit inputs (32 for
-    float32); ``stages`` buffers of both operand tiles must fit on chip. On CUDA the
+    float32); ``stages`` buffers of both operand tiles must fit on chip. On CUDA, large
+    16-bit products take the measured Hopper tiles first (`_hopper_tiles`), and the
     alternatives autotuning measures follow (`_tuning_alternatives`)."""
-    _, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
+    batch, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
     item = inputs[0].itemsize
     block_m = min(128, max(16, next_power_of_2(m)))
     block_n = min(128, max(16, next_power_of_2(n)))
     block_k = min(64 if item <= 2 else 32, max(16, next_power_of_2(k)))
     gpu = hardware.device_type == "cuda"
     candidates = []
+    if gpu and item == 2 and (block_m, block_n, block_k) == (128, 128, 64):
+        candidates += _hopper_tiles(m, n, math.prod(batch), hardware)
     for stages in ((4, 3, 2) if gpu else (1,)):
         onchip = (_gpu_shared_bytes((block_m, block_n, block_k), item, stages) if gpu else
                   (block_m + block_n) * block_k * item + block_m * block_n * 4)
@@ -184,6 +187,26 @@ SKINNY_ALTERNATIVES = ((16, 128, 128, 4, 4), (16, 256, 64, 4, 4))
 DESCRIPTOR_ALTERNATIVES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (16, 128, 128, 4, 4))
 
 
+def _hopper_tiles(m: int, n: int, count: int, hardware: HardwareProfile) -> list[Tiling]:
+    """The first choices for large 16-bit products on CUDA, from the H200's autotuning
+    (benchmarks/results/gpu_2026-12-01/): two warpgroups (8 warps) on 128 x 128 tiles beat
+    16 warps (MlaProlog's 1024 x 8192 x 2048: 53.9 against 59.0 µs), and 128 x 256 tiles
+    beat those when they still give every core two tiles (1024 x 2048 x 32768: 134 against
+    165 µs; the 128 x 256 tiles of 1024 x 8192 x 2048 fill half the cores, 110 µs)."""
+    tiles = [((128, 128, 64), 8, 4)]
+    if cdiv(m, 128) * cdiv(n, 256) * count >= 2 * hardware.core_count:
+        tiles.insert(0, ((128, 256, 64), 8, 3))
+    return [_cuda_tiling("tiles", blocks, 2, warps, stages) for blocks, warps, stages in tiles]
+
+
+def _cuda_tiling(variant: str, blocks: Sequence[int], item: int, warps: int, stages: int
+                 ) -> Tiling:
+    """A CUDA tiling of ``(BLOCK_M, BLOCK_N, BLOCK_K)`` with its launch options."""
+    return Tiling(variant, dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks)),
+                  _gpu_shared_bytes(blocks, item, stages), double_buffered=False,
+                  options={"warps": warps, "stages": stages})
+
+
 def _gpu_shared_bytes(blocks: Sequence[int], item: int, stages: int) -> int:
     """Shared memory of a CUDA tile: ``stages`` buffers of both operand blocks (the float32
     accumulator lives in registers)."""
@@ -202,14 +225,9 @@ def _tuning_alternatives(m: int, k: int, n: int, item: int) -> list[Tiling]:
     if item == 2:
         configs += [(variant, *shape) for variant in ("tiles_tma", "tiles_tma_ws")
                     for shape in DESCRIPTOR_ALTERNATIVES if shape[0] > 16 or m <= 64]
-    alternatives = []
-    for variant, block_m, block_n, block_k, warps, stages in configs:
-        blocks = (fitted(m, block_m), fitted(n, block_n), fitted(k, block_k))
-        alternatives.append(Tiling(
-            variant, dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks)),
-            _gpu_shared_bytes(blocks, item, stages), double_buffered=False,
-            options={"warps": warps, "stages": stages}))
-    return alternatives
+    return [_cuda_tiling(variant, (fitted(m, block_m), fitted(n, block_n), fitted(k, block_k)),
+                         item, warps, stages)
+            for variant, block_m, block_n, block_k, warps, stages in configs]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,

@@ -483,26 +483,42 @@ def _slot_count(kv_cache: object) -> int:
 
 
 def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
-    """Contiguous caches (written in place by offset) and every slot below
-    BlockNum * BlockSize (negative ones skip), before anything runs. Costs one
-    device-to-host read of the largest slot, except while a CUDA graph is captured (the
-    read cannot run then) and inside `opforge.device_side_checks` (no synchronisation):
-    the launchers skip slots beyond the cache instead (nothing is written out of bounds,
-    and nothing raises).
+    """Contiguous caches (written in place by offset), before anything runs. The slots
+    are checked by the launchers (`_slot_check`), while the query path runs.
 
     Raises:
-        OpError: a cache that is not contiguous. IndexRangeError: a slot beyond the cache.
+        OpError: a cache that is not contiguous.
     """
     for name, cache in (("kv_cache", inputs[10]), ("kr_cache", inputs[11])):
         if not cache.is_contiguous():
             raise OpError("must be contiguous (it is updated in place)", op=NAME,
                           param=name, expected="a contiguous tensor",
                           got=f"strides {cache.stride()}")
-    cache_index = inputs[9]
+
+
+def _slot_check(cache_index: torch.Tensor) -> backends.HostRead | None:
+    """Start reading the largest slot on the host (`_check_slots` waits for it): queued
+    before the query path's kernels, so that on a GPU the device computes the queries
+    while the host waits for one number, instead of idling after a synchronisation. None
+    when there is nothing to read, while a CUDA graph is captured (the read cannot run
+    then) and inside `opforge.device_side_checks` (no synchronisation): the launchers
+    skip slots beyond the cache instead, writing nothing out of bounds."""
     if cache_index.numel() == 0 or not backends.host_reads_allowed(cache_index.device):
+        return None
+    return backends.HostRead(cache_index.max())
+
+
+def _check_slots(pending: backends.HostRead | None, kv_cache: torch.Tensor) -> None:
+    """Every slot below BlockNum * BlockSize (negative ones skip), before either cache is
+    written. The queries may be computed already: they do not depend on the slots.
+
+    Raises:
+        IndexRangeError: a slot beyond the cache.
+    """
+    if pending is None:
         return
-    slots = _slot_count(plan.inputs[10])
-    largest = int(cache_index.max())
+    slots = _slot_count(kv_cache)
+    largest = int(pending.value())
     if largest >= slots:
         raise IndexRangeError("holds a slot beyond the cache", op=NAME, param="cache_index",
                               expected=f"< BlockNum * BlockSize = {slots} (or negative)",
@@ -862,7 +878,12 @@ if triton is not None:
 def launch_torch(plan: object, inputs: Sequence[torch.Tensor | None],
                  outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """The formula at float32 (float64 for float64 inputs), writing only the indexed rows
-    of the caches."""
+    of the caches.
+
+    Raises:
+        IndexRangeError: a slot beyond the cache (`_check_slots`), before anything runs.
+    """
+    _check_slots(_slot_check(inputs[9]), inputs[10])
     wide = inputs[0].dtype == torch.float64
     query, query_rope, ckv, kr = _rows(*inputs, compute_dtype=torch.float64 if wide
                                        else torch.float32, rounded=inputs[0].dtype,
@@ -899,7 +920,12 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """The down-projection through opforge's matmul; for a decode step (variant
     ``fused_kv_query``) the rest of the query path in `_mla_query_kernel`, else through
-    `_query_steps`; the KV path in the fused kernel (and its merge when He is sliced)."""
+    `_query_steps`; the KV path in the fused kernel (and its merge when He is sliced).
+
+    Raises:
+        IndexRangeError: a slot beyond the cache (`_check_slots`), after the query path
+            is queued and before either cache is written.
+    """
     (token_x, w_dq, w_uq_qr, w_uk, w_dkv_kr, gamma_cq, gamma_ckv, sin, cos, cache_index,
      kv_cache, kr_cache) = inputs
     n, d, hckv = w_uk.shape
@@ -908,6 +934,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     t, he = x.shape
     if t == 0:
         return  # no tokens: nothing to write (the plan launches even so, as it mutates)
+    pending = _slot_check(cache_index)
     cq = plan.run_step("down", "matmul", x, w_dq)
     rows_cos = cos.reshape(t, dr).contiguous()
     rows_sin = sin.reshape(t, dr).contiguous()
@@ -927,6 +954,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
             **{**launch_options(tiling), **({"num_warps": warps} if warps else {})})
     else:
         _query_steps(plan, inputs, cq, outputs)
+    _check_slots(pending, kv_cache)
     slices = plan.grid[1]
     k_per_slice = split_steps(cdiv(he, blocks["BLOCK_K"]), slices)[0] * blocks["BLOCK_K"]
     # What the norm, rope and scatter of the rows read and write, and their sizes.

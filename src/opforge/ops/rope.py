@@ -71,6 +71,10 @@ except ImportError:  # pragma: no cover
 MODES = ("half", "interleave", "interleave_half")
 MODE = Attr("mode", "str", "half", choices=MODES, doc="which elements rotate together")
 ROWS_TILE = 4096
+# On CUDA, tiles of 512 elements: the H200 ran 131072 rows of 64 (MlaProlog's query rope
+# at T = 1024) in 36 µs with 8 rows a tile, against 79 µs with 64
+# (benchmarks/results/gpu_2026-12-01/, autotuning choices).
+CUDA_ROWS_TILE = 512
 COLUMN_BLOCK = 1024
 
 
@@ -122,7 +126,8 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     anywhere in its row, so a tile never needs the whole row."""
     rows, cols = _rows_and_cols(inputs[0])
     block_n = min(next_power_of_2(max(cols, 1)), COLUMN_BLOCK)
-    block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
+    tile = CUDA_ROWS_TILE if hardware.device_type == "cuda" else ROWS_TILE
+    block_m = max(1, min(next_power_of_2(max(rows, 1)), tile // block_n))
     per_element = 2 * inputs[0].itemsize + 2 * inputs[1].itemsize + 12
     candidates = []
     while True:
@@ -360,11 +365,14 @@ if triton is not None:
             # cos/sin broadcast over leading dims: x row r uses table row
             # (r // table_step) mod table_rows.
             table = ((rows // table_step) % table_rows)[:, None] * stride_c
-            first = widen(tl.load(x_rows + source[None, :], mask=mask, other=0.0)) \
-                * widen(tl.load(cos_ptr + table + cos_index[None, :], mask=mask, other=0.0))
-            second = widen(tl.load(x_rows + partner[None, :], mask=mask, other=0.0)) \
-                * widen(tl.load(sin_ptr + table + sin_index[None, :], mask=mask, other=0.0))
-            y = first + sign[None, :] * second
+            x_source = widen(tl.load(x_rows + source[None, :], mask=mask, other=0.0))
+            x_partner = widen(tl.load(x_rows + partner[None, :], mask=mask, other=0.0))
+            cos = widen(tl.load(cos_ptr + table + cos_index[None, :], mask=mask, other=0.0))
+            sin = widen(tl.load(sin_ptr + table + sin_index[None, :], mask=mask, other=0.0))
+            # One explicit fma, the same in every mode: left to itself the GPU compiler
+            # contracts either product, and the modes' outputs would differ by an ulp where
+            # they should be one permutation of the same values.
+            y = tl.fma(x_source, cos, sign[None, :] * (x_partner * sin))
             tl.store(out_ptr + rows[:, None] * D + cols[None, :], rounded_for(y, out_ptr),
                      mask=mask)
 
