@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import opforge
 from opforge.compat.torch_npu import npu_mla_prolog
+from opforge.core.hardware import get_profile
 from opforge.core.opdef import Case
 from opforge.ops.mla_prolog import cache_rows, mla_inputs, nz_view
 from opforge.profiler.session import kernel_costs
@@ -361,7 +362,7 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
     one block of the KV kernel, so He (7168) is cut into slices of at least 4 BLOCK_K steps
     for the 132 cores, with their float32 partials in the workspace; 1024 tokens (64 blocks)
     take a few slices; 4096 tokens fill the cores without."""
-    grids, variants = {}, {}
+    grids, variants, candidates = {}, {}, {}
     he, hcq, hckv, n, d, dr = 7168, 1536, 512, 128, 128, 64
     for tokens in (16, 1024, 4096):
         shapes = ((tokens, he), (he, hcq), (hcq, n * (d + dr)), (n, d, hckv), (he, hckv + dr),
@@ -375,6 +376,9 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
             plan = opforge.plan(MLA, *inputs)
         grids[tokens] = (plan.grid, plan.workspace_bytes)
         variants[tokens] = plan.tiling
+        candidates[tokens] = [(t.blocks["BLOCK_T"], t.blocks["BLOCK_K"], t.options["warps"])
+                              for t in MLA.tiling(
+                                  plan.inputs, plan.outputs, plan.attrs, get_profile("h200"))]
     # A decode step's query path is one kernel holding its 16 tokens; 1024 go through
     # the matmul steps.
     assert variants[16].variant == "fused_kv_query"
@@ -386,6 +390,10 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
     (programs, slices), _ = grids[1024]
     assert programs == 64 and 132 <= programs * slices <= 2 * 132 + programs
     assert grids[4096] == ((256, 1), 0)
+    # A prefill's taller token blocks (8 warps) come after the default, for autotuning.
+    assert candidates[1024][0] == (16, 64, 32)
+    assert candidates[1024][1:5] == [(64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 16, 8)]
+    assert all(block_t == 16 for block_t, _, _ in candidates[16])
 
 
 @pytest.mark.parametrize("index, shape, param", [

@@ -97,6 +97,13 @@ MERGE_ROWS = 1  # tokens a program of the KV merge kernel takes: one, for the mo
 # fused_kv_query): a decode step, bound by launches and host time. Its programs hold all
 # the tokens, so the up-projection's weight is read once.
 FUSED_QUERY_TOKENS = 64
+# Taller token blocks of the fused KV kernel that autotuning times in a prefill on CUDA,
+# after the 16-token default: (BLOCK_T, BLOCK_K, warps). Every token block reads all of
+# weight_dkv_kr, so 64 tokens read it a quarter as often as 16 and give the tensor cores
+# taller tiles. Compiled for sm_90 (DeepSeek sizes, bf16), 8 warps hold these blocks'
+# accumulators in 199-255 registers a thread with at most 8 B of spill, where 32 warps
+# (64 registers a thread) spill 32-272 B and BLOCK_K 64 spills 192-208 B at 8 warps.
+PREFILL_ALTERNATIVES = ((64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 16, 8))
 INDEX_DTYPES = (torch.int64, torch.int32)
 EPS_RANGE = (0.0, None)
 INPUT_NAMES = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr",
@@ -226,7 +233,11 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     """The fused KV kernel's blocks: ``BLOCK_T`` tokens, ``BLOCK_K`` of He per step, the
     whole latent row (``BLOCK_C``) and two rotated rope accumulators (``BLOCK_R``) held,
     so that the RMSNorm sees complete rows. 16 tokens a program (the dot's minimum) on
-    GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps.
+    GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps. Past
+    `FUSED_QUERY_TOKENS` (a prefill) on CUDA, the taller token blocks of
+    `PREFILL_ALTERNATIVES` follow the first candidate, for autotuning to time. On CUDA
+    the on-chip bytes are the operand buffers in shared memory (the float32
+    accumulators live in registers).
 
     Variant ``fused_kv_query`` (up to `FUSED_QUERY_TOKENS` tokens: a decode step) also
     fuses the query path after the down-projection into `_mla_query_kernel`, one program
@@ -243,8 +254,7 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     item = x.itemsize
     block_c, block_r = max(16, next_power_of_2(hckv)), max(16, next_power_of_2(dr))
     block_d = max(16, next_power_of_2(d))
-    cpu = hardware.device_type == "cpu"
-    block_t = max(16, min(64 if cpu else 16, next_power_of_2(tokens)))
+    cpu, cuda = hardware.device_type == "cpu", hardware.device_type == "cuda"
     widest_k = 256 if cpu else (64 if item <= 2 else 32)
     # float32's IEEE products take larger register tiles: 64 tokens spill on sm_90 (8 KB
     # a thread), 16 do not, so float32 takes its tokens 16 at a time.
@@ -252,33 +262,48 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     query_c = min(block_c, 128)
     query_h = max(16, next_power_of_2(dr // 2))
     query_width = block_d + 2 * query_h
-    warps = gpu_warps(block_t * (block_c + 2 * block_r), hardware)
     query_warps = gpu_warps(query_t * query_width, hardware)
-    options = {"warps": warps, "stages": 2 if hardware.device_type == "cuda" else None}
-    kv_levels, query_levels = [], []
-    block_k = max(16, min(widest_k, next_power_of_2(x.shape[-1])))
-    query_k = max(16, min(widest_k, next_power_of_2(hcq)))
-    while True:
-        onchip = 2 * block_k * (block_t + block_c + 2 * block_r) * item \
-            + block_t * (block_c + 2 * block_r) * 4
-        blocks = {"BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_C": block_c,
-                  "BLOCK_R": block_r}
-        kv_levels.append(Tiling("fused_kv", blocks, onchip, double_buffered=False,
-                                options=options))
+    block_t = max(16, min(64 if cpu else 16, next_power_of_2(tokens)))
+
+    def k_levels(size: int) -> list[int]:
+        """K steps for a reduction over ``size``: the widest first, halved down to 16."""
+        levels = [max(16, min(widest_k, next_power_of_2(size)))]
+        while levels[-1] > 16:
+            levels.append(levels[-1] // 2)
+        return levels
+
+    def kv_tiling(block_t: int, block_k: int, warps: int | None = None) -> Tiling:
+        operands = 2 * block_k * (block_t + block_c + 2 * block_r) * item
+        accumulators = block_t * (block_c + 2 * block_r) * 4
+        return Tiling("fused_kv", {"BLOCK_T": block_t, "BLOCK_K": block_k,
+                                   "BLOCK_C": block_c, "BLOCK_R": block_r},
+                      operands + (0 if cuda else accumulators), double_buffered=False,
+                      options={"warps": warps or gpu_warps(block_t * (block_c + 2 * block_r),
+                                                           hardware),
+                               "stages": 2 if cuda else None})
+
+    kv_levels = [kv_tiling(block_t, block_k) for block_k in k_levels(x.shape[-1])]
+    if tokens > FUSED_QUERY_TOKENS:
+        if cuda and item <= 2:
+            kv_levels[1:1] = [kv_tiling(t, k, warps) for t, k, warps in PREFILL_ALTERNATIVES
+                              if t <= next_power_of_2(tokens) and k <= kv_levels[0].blocks[
+                                  "BLOCK_K"]]
+        return kv_levels
+    he_levels, hcq_levels = k_levels(x.shape[-1]), k_levels(hcq)
+    count = max(len(he_levels), len(hcq_levels))
+    query_levels = []
+    for block_k, query_k in zip(he_levels + [16] * (count - len(he_levels)),
+                                hcq_levels + [16] * (count - len(hcq_levels))):
+        kv = kv_tiling(block_t, block_k)
+        query_onchip = 2 * query_k * (query_t + query_width) * item \
+            + query_t * query_width * 4 + block_d * query_c * item + query_t * query_c * 4
         query_levels.append(Tiling(
             "fused_kv_query",
-            {**blocks, "QUERY_T": query_t, "QUERY_K": query_k, "BLOCK_D": block_d,
+            {**kv.blocks, "QUERY_T": query_t, "QUERY_K": query_k, "BLOCK_D": block_d,
              "QUERY_H": query_h, "QUERY_C": query_c},
-            max(onchip, 2 * query_k * (query_t + query_width) * item
-                + query_t * query_width * 4 + block_d * query_c * item + query_t * query_c * 4),
-            double_buffered=False,
-            options={**options, **({"query_warps": min(8, query_warps)} if query_warps
-                                   else {})}))
-        if block_k == 16 and query_k == 16:
-            break
-        block_k, query_k = max(16, block_k // 2), max(16, query_k // 2)
-    if tokens > FUSED_QUERY_TOKENS:
-        return kv_levels
+            max(kv.onchip_bytes, query_onchip), double_buffered=False,
+            options={**kv.options, **({"query_warps": min(8, query_warps)} if query_warps
+                                      else {})}))
     return query_levels + kv_levels
 
 
