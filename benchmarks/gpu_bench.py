@@ -49,7 +49,7 @@ import itertools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -449,14 +449,16 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
             if compile_peers:
                 impls.append(("torch.compile", functools.partial(
                     torch.compile(mla_torch, dynamic=False), *inputs)))
-            # Decoding replays a captured step: both sides without their launch costs.
+            # Decoding replays a captured step: both sides without their launch costs. The
+            # torch composition's masked scatter (negative slots skip) synchronises, which
+            # capture refuses: its row is n/a with the reason, opforge's would be an error.
             for name, call in impls[:2]:
                 graphed = f"{name} (CUDA graph replay)"
                 try:
                     impls.append((graphed, captured(call, device).replay))
                 except Exception as error:  # a capture that fails is reported
-                    yield (_error_row("time", "mla_prolog", shape, "bf16", graphed,
-                                           error))
+                    row = _error_row("time", "mla_prolog", shape, "bf16", graphed, error)
+                    yield row if name == "opforge" else replace(row, status="n/a")
             # Eager without the slot check's synchronisation: the host runs ahead.
             impls.append(("opforge (device-side checks)",
                           functools.partial(_device_side, opforge.mla_prolog, *inputs)))

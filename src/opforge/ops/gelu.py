@@ -8,7 +8,8 @@ everywhere, including the far left tail where a float32 ``1 + erf(x / sqrt(2))``
 digit. For 16-bit results the erfc fit serves the whole range with one exp (no series, no
 split): a few float32 ulps near 0 and up to 6e-6 relative far out, under a hundredth of
 a 16-bit ulp, for about half the instructions (the H200 ran the exact form bound by its
-arithmetic, at 2.2x torch's time; this form's speed is not measured yet). The tanh form
+arithmetic, at 2.2x torch's time; this form at 1.4x, 51% of copy bandwidth on 8192 x 8192
+bf16, benchmarks/results/gpu_2026-12-01/). The tanh form
 is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
 ``0.5 x (1 + tanh(u))`` without tanh's overflow.
 
