@@ -390,8 +390,9 @@ def test_decoding_on_a_gpu_profile_slices_the_kv_projection():
     (programs, slices), _ = grids[1024]
     assert programs == 64 and 132 <= programs * slices <= 2 * 132 + programs
     assert grids[4096] == ((256, 1), 0)
-    # A prefill's taller token blocks (8 warps) come after the default, for autotuning.
-    assert candidates[1024][0] == (16, 64, 32)
+    # A prefill takes 16-wide K steps; its taller token blocks (8 warps) come after that
+    # default, for autotuning.
+    assert candidates[1024][0] == (16, 16, 32)
     assert candidates[1024][1:5] == [(64, 32, 8), (64, 16, 8), (32, 32, 8), (32, 16, 8)]
     assert all(block_t == 16 for block_t, _, _ in candidates[16])
 

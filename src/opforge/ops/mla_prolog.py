@@ -234,8 +234,9 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     whole latent row (``BLOCK_C``) and two rotated rope accumulators (``BLOCK_R``) held,
     so that the RMSNorm sees complete rows. 16 tokens a program (the dot's minimum) on
     GPUs, BLOCK_K 64 (32 for float32); the interpreter takes 256-wide K steps. Past
-    `FUSED_QUERY_TOKENS` (a prefill) on CUDA, the taller token blocks of
-    `PREFILL_ALTERNATIVES` follow the first candidate, for autotuning to time. On CUDA
+    `FUSED_QUERY_TOKENS` (a prefill) on CUDA with 16-bit inputs, BLOCK_K 16 comes first
+    and the taller token blocks of `PREFILL_ALTERNATIVES` follow it, for autotuning to
+    time. On CUDA
     the on-chip bytes are the operand buffers in shared memory (the float32
     accumulators live in registers).
 
@@ -285,9 +286,12 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     kv_levels = [kv_tiling(block_t, block_k) for block_k in k_levels(x.shape[-1])]
     if tokens > FUSED_QUERY_TOKENS:
         if cuda and item <= 2:
-            kv_levels[1:1] = [kv_tiling(t, k, warps) for t, k, warps in PREFILL_ALTERNATIVES
-                              if t <= next_power_of_2(tokens) and k <= kv_levels[0].blocks[
-                                  "BLOCK_K"]]
+            widest = kv_levels[0].blocks["BLOCK_K"]
+            # BLOCK_K 16 first: both H200 tunings of a DeepSeek-V3 prefill (T = 1024)
+            # chose it, 3% ahead of 64 (benchmarks/results/gpu_2026-12-01/).
+            kv_levels = kv_levels[-1:] + [
+                kv_tiling(t, k, warps) for t, k, warps in PREFILL_ALTERNATIVES
+                if t <= next_power_of_2(tokens) and k <= widest] + kv_levels[:-1]
         return kv_levels
     he_levels, hcq_levels = k_levels(x.shape[-1]), k_levels(hcq)
     count = max(len(he_levels), len(hcq_levels))
