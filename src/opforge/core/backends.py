@@ -92,7 +92,7 @@ class HostRead:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))
             tensor = host
         self._host = tensor
 
