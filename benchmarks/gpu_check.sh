@@ -40,8 +40,9 @@
 # (seconds; override with BENCH_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
 # OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
-# not fit every step at once (the 2026-11-30 run took 73 s for gpu_bench, 21 s for the
-# study and 91 s for the tests), so choose with STEPS. Everything is written under
+# not fit every step at once (the 2026-12-01 run took 103 s for gpu_bench, 41 s for
+# gpu_bench_tuned, 18 s for the study, 142 s for the tests on 8 workers, 33 s for
+# host_overhead and 21 s for replay), so choose with STEPS. Everything is written under
 # $OUT/run and packed at the end into $OUT/gpu_results.tar.gz (the device tool returns at
 # most 8 files), next to status.txt.
 set -euo pipefail
