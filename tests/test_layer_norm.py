@@ -186,6 +186,25 @@ def test_errors_come_before_any_kernel():
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+def test_rows_whose_squared_deviations_overflow_or_underflow_float32(profile, backend):
+    """One call, eps 0: an ordinary row, a row of N(0, 1e30) (its float32 sum of squared
+    deviations overflows: y was 0 or NaN), one of N(0, 1e-25) (its squares underflow: y
+    was Inf) and one of N(0, 1e-25) with 1e30 in its last column. Each matches the float64
+    golden within float32's bound, y, mean and rstd, on both variants, with the weight and
+    bias applied."""
+    x = _x(4, 3001)
+    x[1] *= 1e30
+    x[2] *= 1e-25
+    x[3] *= 1e-25
+    x[3, -1] = 1e30
+    weight, bias = _x(3001, seed=1), _x(3001, seed=2)
+    with opforge.use_hardware(SMALL if profile == "small" else profile):
+        outputs = opforge.plan(LAYER_NORM, x, weight, bias, eps=0.0).run(x, weight, bias)
+    assert torch.isfinite(outputs[0]).all() and (outputs[2] > 0).all()
+    assert_golden(LAYER_NORM, Case("scaled_rows", (x, weight, bias), {"eps": 0.0}), outputs)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("name, kind", [("layer_norm_backward", "tiny"),
                                         ("rms_norm_backward", "tiny"),
                                         ("rms_norm_backward", "large")])

@@ -52,6 +52,27 @@ def test_both_variants_forward_and_backward(profile, dtype):
     assert_golden(BACKWARD, Case("rows", (grad, x, rstd, weight)), grads)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_whose_squares_overflow_or_underflow_float32(profile, dtype, backend):
+    """One call, four rows, eps 0: ordinary values, values near 1e30 (their float32 sum of
+    squares overflows: rstd 0 and y 0 before), near 1e-25 (their squares underflow: rstd
+    Inf and y Inf before), and a row of 1e-25 with 1e30 in its last column. Each is
+    summed again scaled by a power of two and matches the float64 golden within the
+    dtype's bound, y and rstd, on both variants."""
+    x = _x(4, 3001, dtype=torch.float32)
+    x[1] *= 1e30
+    x[2] *= 1e-25
+    x[3] *= 1e-25
+    x[3, -1] = 1e30
+    x = x.to(dtype)
+    with opforge.use_hardware(_profile(profile)):
+        plan = opforge.plan(RMS_NORM, x, None, eps=0.0)
+        outputs = plan.run(x, None)
+    assert torch.isfinite(outputs[0]).all() and (outputs[1] > 0).all()
+    assert_golden(RMS_NORM, Case("scaled_rows", (x, None), {"eps": 0.0}), outputs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_values_near_the_float16_maximum(dtype, backend):
     """The naive float16 sum of squares overflows at once (60000^2 > 65504): mean(x^2) is

@@ -12,6 +12,17 @@ far from zero. Without it (RMSNorm) the mean is 0 and the "variance" is ``mean(x
 ``rstd = 1 / sqrt(var + eps)``, ``x_hat = (x - mean) * rstd``, ``y = x_hat * weight +
 bias``.
 
+A float32 sum of squares overflows once it passes 3.4e38 (values beyond 1.8e19 /
+sqrt(N)) and underflows for values below about 1e-19. Rows whose variance came out Inf,
+NaN or below `TINY_VARIANCE` (and whose values are finite and not all zero) are summed again,
+scaled by the power of two that brings their largest deviation into [2^20, 2^21)
+(`rescaled_inverse_rms`): exact, and the squares then neither overflow nor underflow.
+``y = ((x - mean) * scale) * inv`` and ``rstd = scale * inv`` with ``inv = 1 / sqrt(var *
+scale^2 + eps * scale^2)``; a scale under which ``eps * scale^2`` would overflow is
+dropped (eps then outweighs the variance anyway). Rows beyond about 1e38 or with an rstd
+beyond float32's range (subnormal rows with eps 0) still save an rstd that float32 cannot
+hold; their ``y`` is right.
+
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
 x_hat))`` (no ``mean(g)`` term without ``CENTER``; with ``RECENTRE``, x_hat less its row
 mean where the mean stands beyond the spread), ``grad_weight = sum grad * x_hat`` and
@@ -54,6 +65,13 @@ except ImportError:  # pragma: no cover
 ROWS_TILE = 4096
 LOOP_BLOCK = 4096
 SUM_BLOCK = 1024
+# float32 variances below this (2^26 times the smallest normal) may have lost bits to
+# underflowing squares: such rows are summed again, scaled (as are rows whose variance
+# overflowed).
+TINY_VARIANCE = 2.0 ** -100
+# The scale brings a row's largest deviation to [2^20, 2^21); its exponent stays within
+# float32's normal range.
+SCALED_EXPONENT = 20
 # (rows, cols) of a norm call from its specs and attributes.
 Geometry = Callable[[Specs, Attrs], tuple[int, int]]
 
@@ -146,10 +164,61 @@ def gradient_scale(grad: torch.Tensor, x_hat: torch.Tensor, rstd: torch.Tensor,
     return golden.abs() + (grad * x_hat).abs().sum(0).reshape(golden.shape)
 
 
+def rescaled_inverse_rms(deviation: torch.Tensor, variance: torch.Tensor,
+                         dims: Sequence[int], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, inv)`` of rows of ``deviation`` (reduced over ``dims``, kept) whose mean
+    square is ``variance``: ``y = (deviation * scale) * inv`` and ``rstd = scale * inv``.
+    ``scale`` is 1, or, where the variance overflowed or may have underflowed, the power of
+    two that brings the row's largest magnitude into [2^20, 2^21) (the variance is then
+    summed again from the scaled deviations); the torch form of the kernels' rule (module
+    doc), for the dtype's own exponent range."""
+    info = torch.finfo(variance.dtype)
+    max_exponent = math.frexp(info.max)[1]  # 128 for float32
+    top = deviation.abs().amax(dims, keepdim=True)
+    # top = m 2^exponent with m in [0.5, 1): 2^(SCALED_EXPONENT + 1 - exponent) brings it to
+    # [2^20, 2^21).
+    shift = (SCALED_EXPONENT + 1 - torch.frexp(top).exponent).clamp(
+        SCALED_EXPONENT + 1 - max_exponent, max_exponent - 2)
+    scale = torch.ldexp(torch.ones_like(variance), shift)
+    tiny = info.tiny * TINY_VARIANCE / torch.finfo(torch.float32).tiny
+    usable = ((~variance.isfinite() | (variance < tiny)) & (top > 0) & top.isfinite()
+              & (eps * scale * scale).isfinite())
+    scale = torch.where(usable, scale, 1.0)
+    if usable.any():
+        variance = torch.where(usable, (deviation * scale).square().mean(dims, keepdim=True),
+                               variance)
+    return scale, torch.rsqrt(variance + eps * scale * scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
 if triton is not None:
+    _TINY_VARIANCE = tl.constexpr(TINY_VARIANCE)
+    _SCALED_EXPONENT = tl.constexpr(SCALED_EXPONENT)
+
+    @triton.jit
+    def _rescaled(variance, top, eps):
+        """The scale of each row (`rescaled_inverse_rms`): a power of two built from the
+        exponent bits of its largest deviation ``top``, 1 where the variance is usable as
+        it is or ``eps * scale^2`` would overflow."""
+        biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        shift = tl.minimum(tl.maximum(_SCALED_EXPONENT + 127 - biased,
+                                      _SCALED_EXPONENT - 127), 126)
+        scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        usable = ((variance == float("inf")) | (variance != variance)
+                  | (variance < _TINY_VARIANCE)) & (top > 0) \
+            & (top < float("inf")) & (eps * scale * scale < float("inf"))
+        return tl.where(usable, scale, 1.0)
+
+    @triton.jit
+    def _needs_rescale(variance):
+        """Whether any row's variance overflowed (Inf, or NaN where Chan's merge multiplied
+        an overflowed square by 0) or may have underflowed: a scalar, so that the common
+        case skips the rescaled sums."""
+        flagged = (variance == float("inf")) | (variance != variance) \
+            | (variance < _TINY_VARIANCE)
+        return tl.max(flagged.to(tl.int32), axis=0) > 0
 
     @triton.jit
     def _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x, stride_r,
@@ -222,7 +291,35 @@ if triton is not None:
                         count = total
                     else:
                         m2 += tl.sum(s * s, axis=1)
-                rstd = 1.0 / tl.sqrt(m2 / N + eps)
+                variance = m2 / N
+                scale = tl.full([BLOCK_M], 1.0, tl.float32)
+                if _needs_rescale(tl.where(row_mask, variance, 1.0)):
+                    # Two more passes for such rows only: their largest deviation, then
+                    # their scaled squares.
+                    top = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for start in range(0, N, BLOCK_N):
+                        offsets = start + cols
+                        mask = row_mask[:, None] & (offsets < N)[None, :]
+                        s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask,
+                                            stride_x, stride_r, HAS_RESIDUAL)
+                        if CENTER:
+                            s -= shift[:, None]
+                        deviation = tl.where(mask, tl.abs(s - mean[:, None]), 0.0)
+                        top = tl.maximum(top, tl.max(deviation, axis=1))
+                    scale = _rescaled(variance, top, eps)
+                    scaled_m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for start in range(0, N, BLOCK_N):
+                        offsets = start + cols
+                        mask = row_mask[:, None] & (offsets < N)[None, :]
+                        s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask,
+                                            stride_x, stride_r, HAS_RESIDUAL)
+                        if CENTER:
+                            s -= shift[:, None]
+                        scaled = tl.where(mask, (s - mean[:, None]) * scale[:, None], 0.0)
+                        scaled_m2 += tl.sum(scaled * scaled, axis=1)
+                    variance = tl.where(scale != 1.0, scaled_m2 / N, variance)
+                inverse = 1.0 / tl.sqrt(variance + eps * scale * scale)
+                rstd = scale * inverse
                 for start in range(0, N, BLOCK_N):
                     offsets = start + cols
                     mask = row_mask[:, None] & (offsets < N)[None, :]
@@ -230,8 +327,8 @@ if triton is not None:
                                         stride_r, HAS_RESIDUAL)
                     if CENTER:
                         s -= shift[:, None]
-                    y = _affine((s - mean[:, None]) * rstd[:, None], weight_ptr, bias_ptr,
-                                offsets, N, HAS_WEIGHT, HAS_BIAS)
+                    y = _affine(((s - mean[:, None]) * scale[:, None]) * inverse[:, None],
+                                weight_ptr, bias_ptr, offsets, N, HAS_WEIGHT, HAS_BIAS)
                     outs = y_ptr + rows[:, None] * N + offsets[None, :]
                     tl.store(outs, rounded_for(y, y_ptr), mask=mask)
                 if CENTER:
@@ -264,9 +361,17 @@ if triton is not None:
                     mean = tl.zeros([BLOCK_M], dtype=tl.float32)
                     deviation = s
                     variance = tl.sum(s * s, axis=1) / N
-                rstd = 1.0 / tl.sqrt(variance + eps)
-                y = _affine(deviation * rstd[:, None], weight_ptr, bias_ptr, cols, N,
-                            HAS_WEIGHT, HAS_BIAS)
+                scale = tl.full([BLOCK_M], 1.0, tl.float32)
+                if _needs_rescale(tl.where(row_mask, variance, 1.0)):
+                    top = tl.max(tl.where(mask, tl.abs(deviation), 0.0), axis=1)
+                    scale = _rescaled(variance, top, eps)
+                    scaled = deviation * scale[:, None]
+                    variance = tl.where(scale != 1.0, tl.sum(scaled * scaled, axis=1) / N,
+                                        variance)
+                inverse = 1.0 / tl.sqrt(variance + eps * scale * scale)
+                rstd = scale * inverse
+                y = _affine((deviation * scale[:, None]) * inverse[:, None], weight_ptr,
+                            bias_ptr, cols, N, HAS_WEIGHT, HAS_BIAS)
                 outs = y_ptr + rows[:, None] * N + cols[None, :]
                 tl.store(outs, rounded_for(y, y_ptr), mask=mask)
             if CENTER:

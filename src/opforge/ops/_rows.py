@@ -21,12 +21,12 @@ CANCELLING_GRADIENT = (
     "large relative error of the result. opforge and torch both compute in float32 and lose "
     "the same absolute accuracy; which has the larger worst relative error is rounding "
     "luck. Errors against the condition-aware scale stay within the test suite's bound.")
-OVERFLOWING_SQUARES = KnownLimitation(
-    "Row statistics are float32 sums of squares: they overflow once the row's sum of "
-    "squares passes 3.4e38 (one value beyond 1.8e19, or N values beyond 1.8e19 / sqrt(N): "
-    "2.6e17 in a row of 5000), although float64 holds them; the variance becomes Inf and "
-    "rstd 0, so the row's outputs are 0 (or NaN), and subnormal rows with eps = 0 give a "
-    "variance of 0 and Inf outputs. torch's CPU LayerNorm keeps such rows finite; rescaling "
-    "each row by its largest magnitude before squaring would too, and is not done yet. "
-    "Only inputs within a few orders of float32's extremes reach this.", case="large_*",
+OVERFLOWING_ROW_SUMS = KnownLimitation(
+    "The row mean is a float32 sum: a row whose sum passes 3.4e38 (values within a factor "
+    "of N of float32's largest, as these cases' 0.25-0.5 x 3.4e38) overflows it to Inf, "
+    "and the row's outputs are NaN, although float64 holds them. The squares no longer "
+    "overflow or underflow (a row whose variance comes out Inf, NaN or below 2^-100 is "
+    "summed again, scaled by a power of two), but such rows also have an rstd below "
+    "float32's smallest normal, which keeps fewer bits. Only inputs within a factor of N of "
+    "float32's largest value reach this.", case="large_*",
     failures=("*NaN/Inf*", "*ratio*"))

@@ -57,7 +57,7 @@ from opforge.ops._liger import liger_peer
 from opforge.ops._rows import (
     CANCELLING_GRADIENT,
     OVERFLOWING_ROW_SUM,
-    OVERFLOWING_SQUARES,
+    OVERFLOWING_ROW_SUMS,
     SHARED_ROW_STATISTIC,
 )
 from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
@@ -308,7 +308,7 @@ LAYER_NORM = OpDef(
     grid=norm.grid(_geometry), samples=_samples, autocast=AutocastPolicy.FP32,
     error_scale=_error_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_layer_norm, sweep=_sweep,
-                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_SQUARES,
+                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_ROW_SUMS,
                                                CANCELLING_MEAN)),
     bench=BenchSpec(peers={"Liger-Kernel": liger_peer(
         "layer_norm", "LigerLayerNormFunction", lambda case: (*case.inputs, EPS.default))}),
@@ -359,8 +359,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     offset = (mean.square() > variance) & mean.isfinite()
     correction = torch.where(offset, deviation.mean(dims, keepdim=True), 0.0)
     deviation = deviation - correction
-    rstd = torch.rsqrt(variance - correction.square() + eps)
-    y = deviation * rstd
+    scale, inverse = norm.rescaled_inverse_rms(deviation, variance - correction.square(),
+                                               dims, eps)
+    rstd = scale * inverse
+    y = (deviation * scale) * inverse
     if weight is not None:
         y = y * weight.to(compute_dtype)
     if bias is not None:

@@ -4,8 +4,9 @@
 float32 and ``y = x * rstd * weight`` (CANN's RmsNorm and ``torch_npu.npu_rms_norm``; torch's
 ``F.rms_norm`` returns ``y`` alone, as `opforge.rms_norm` does). The squares are summed in
 float32, so float16 values near 65504 do not overflow (their squares reach 4.3e9); a row
-whose sum of squares passes float32's 3.4e38 (bfloat16 or float32 values beyond
-1.8e19 / sqrt(N)) does, and normalises to 0, as do layer_norm's (`OVERFLOWING_SQUARES`).
+whose float32 sum of squares overflows (bfloat16 or float32 values beyond 1.8e19 /
+sqrt(N)) or may have underflowed (values below about 1e-19) is summed again, scaled by a
+power of two (`opforge.ops._norm`), and normalises as in float64.
 ``add_rms_norm(x, residual, weight, eps) -> (y, rstd, x + residual)`` reads each input once
 and normalises the float32 sum (CANN's AddRmsNorm). ``weight`` may be ``None`` (no scale)
 and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 (float64
@@ -296,10 +297,6 @@ RMS_NORM_BACKWARD = OpDef(
 # References
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
 @RMS_NORM.reference
 def reference(x: torch.Tensor, weight: torch.Tensor | None, *, compute_dtype: torch.dtype,
               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,9 +305,12 @@ def reference(x: torch.Tensor, weight: torch.Tensor | None, *, compute_dtype: to
         y, rstd = reference(x.reshape(1), weight, compute_dtype=compute_dtype, eps=eps)
         return y.reshape(()), rstd
     wide = x.to(compute_dtype)
-    rstd = _rms(wide, eps) if wide.numel() else wide.sum(-1, keepdim=True)
-    y = wide * rstd * (1.0 if weight is None else weight.to(compute_dtype))
-    return y, rstd.squeeze(-1)
+    if not wide.numel():
+        return wide, wide.sum(-1)
+    scale, inverse = norm.rescaled_inverse_rms(wide, wide.square().mean(-1, keepdim=True),
+                                               (-1,), eps)
+    y = (wide * scale) * inverse * (1.0 if weight is None else weight.to(compute_dtype))
+    return y, (scale * inverse).squeeze(-1)
 
 
 @ADD_RMS_NORM.reference
