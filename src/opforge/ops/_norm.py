@@ -14,14 +14,15 @@ bias``.
 
 A float32 sum of squares overflows once it passes 3.4e38 (values beyond 1.8e19 /
 sqrt(N)) and underflows for values below about 1e-19. Rows whose variance came out Inf,
-NaN or below `TINY_VARIANCE` (and whose values are finite and not all zero) are summed again,
-scaled by the power of two that brings their largest deviation into [2^20, 2^21)
+NaN or below `TINY_VARIANCE` (and whose values are finite and not all zero) are summed
+again, scaled by the power of two that brings their largest deviation into [2^20, 2^21)
 (`rescaled_inverse_rms`): exact, and the squares then neither overflow nor underflow.
 ``y = ((x - mean) * scale) * inv`` and ``rstd = scale * inv`` with ``inv = 1 / sqrt(var *
 scale^2 + eps * scale^2)``; a scale under which ``eps * scale^2`` would overflow is
-dropped (eps then outweighs the variance anyway). Rows beyond about 1e38 or with an rstd
-beyond float32's range (subnormal rows with eps 0) still save an rstd that float32 cannot
-hold; their ``y`` is right.
+dropped (eps then outweighs the variance anyway). What float32 cannot hold remains: rows
+near its largest value save an rstd below its smallest normal (fewer bits), and
+LayerNorm's mean of such rows can overflow (a known limitation); subnormal rows with eps
+0 save an rstd of Inf, though their ``y`` is right.
 
 Backward, with ``g = grad * weight``: ``grad_x = rstd * (g - mean(g) - x_hat * mean(g *
 x_hat))`` (no ``mean(g)`` term without ``CENTER``; with ``RECENTRE``, x_hat less its row
