@@ -252,10 +252,11 @@ def _torch_rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 FUSED_ROTATION = KnownLimitation(
-    "Compiled for a GPU, the kernel's x p cos + s x q sin contracts into one fused "
-    "multiply-add (one rounding where torch rounds each product): where the two terms "
-    "cancel, the relative error of either is rounding luck, while both stay within 1 eps "
-    "of |x p||cos| + |x q||sin| (max_eps < 1).", backend="triton", dtype="float32",
+    "The kernel computes x p cos + s x q sin as one fused multiply-add (one rounding "
+    "where torch rounds each product; explicit, so that every mode rounds alike on every "
+    "device): where the two terms cancel, the relative error of either is rounding luck, "
+    "while both stay within 1 eps of |x p||cos| + |x q||sin| (max_eps < 1).",
+    backend="triton", dtype="float32",
     failures="max_rel ratio*")
 
 ROPE = OpDef(
