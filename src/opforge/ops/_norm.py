@@ -233,6 +233,16 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _deviation_block(x_ptr, residual_ptr, rows, row_mask, offsets, N, stride_x, stride_r,
+                         shift, mean, HAS_RESIDUAL: tl.constexpr):
+        """``(x (+ residual) - shift) - mean`` of a block of rows (the shifted values
+        formed first, exactly), 0 where masked; and the mask."""
+        mask = row_mask[:, None] & (offsets < N)[None, :]
+        s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x, stride_r,
+                            HAS_RESIDUAL)
+        return tl.where(mask, (s - shift[:, None]) - mean[:, None], 0.0), mask
+
+    @triton.jit
     def _affine(x_hat, weight_ptr, bias_ptr, offsets, N, HAS_WEIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
         y = x_hat
@@ -270,6 +280,8 @@ if triton is not None:
                                                    row_mask[:, None], stride_x, stride_r,
                                                    HAS_RESIDUAL), axis=1)
                     shift = tl.where(tl.abs(first) < float("inf"), first, 0.0)
+                else:
+                    shift = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for start in range(0, N, BLOCK_N):
                     offsets = start + cols
                     mask = row_mask[:, None] & (offsets < N)[None, :]
@@ -299,37 +311,28 @@ if triton is not None:
                     # their scaled squares.
                     top = tl.zeros([BLOCK_M], dtype=tl.float32)
                     for start in range(0, N, BLOCK_N):
-                        offsets = start + cols
-                        mask = row_mask[:, None] & (offsets < N)[None, :]
-                        s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask,
-                                            stride_x, stride_r, HAS_RESIDUAL)
-                        if CENTER:
-                            s -= shift[:, None]
-                        deviation = tl.where(mask, tl.abs(s - mean[:, None]), 0.0)
-                        top = tl.maximum(top, tl.max(deviation, axis=1))
+                        deviation, _ = _deviation_block(
+                            x_ptr, residual_ptr, rows, row_mask, start + cols, N, stride_x,
+                            stride_r, shift, mean, HAS_RESIDUAL)
+                        top = tl.maximum(top, tl.max(tl.abs(deviation), axis=1))
                     scale = _rescaled(variance, top, eps)
                     scaled_m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
                     for start in range(0, N, BLOCK_N):
-                        offsets = start + cols
-                        mask = row_mask[:, None] & (offsets < N)[None, :]
-                        s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask,
-                                            stride_x, stride_r, HAS_RESIDUAL)
-                        if CENTER:
-                            s -= shift[:, None]
-                        scaled = tl.where(mask, (s - mean[:, None]) * scale[:, None], 0.0)
+                        deviation, _ = _deviation_block(
+                            x_ptr, residual_ptr, rows, row_mask, start + cols, N, stride_x,
+                            stride_r, shift, mean, HAS_RESIDUAL)
+                        scaled = deviation * scale[:, None]
                         scaled_m2 += tl.sum(scaled * scaled, axis=1)
                     variance = tl.where(scale != 1.0, scaled_m2 / N, variance)
                 inverse = 1.0 / tl.sqrt(variance + eps * scale * scale)
                 rstd = scale * inverse
                 for start in range(0, N, BLOCK_N):
                     offsets = start + cols
-                    mask = row_mask[:, None] & (offsets < N)[None, :]
-                    s = _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x,
-                                        stride_r, HAS_RESIDUAL)
-                    if CENTER:
-                        s -= shift[:, None]
-                    y = _affine(((s - mean[:, None]) * scale[:, None]) * inverse[:, None],
-                                weight_ptr, bias_ptr, offsets, N, HAS_WEIGHT, HAS_BIAS)
+                    deviation, mask = _deviation_block(
+                        x_ptr, residual_ptr, rows, row_mask, offsets, N, stride_x, stride_r,
+                        shift, mean, HAS_RESIDUAL)
+                    y = _affine((deviation * scale[:, None]) * inverse[:, None], weight_ptr,
+                                bias_ptr, offsets, N, HAS_WEIGHT, HAS_BIAS)
                     outs = y_ptr + rows[:, None] * N + offsets[None, :]
                     tl.store(outs, rounded_for(y, y_ptr), mask=mask)
                 if CENTER:
