@@ -34,7 +34,9 @@ Usage (on the GPU machine, from the repository root)::
 ``--autotune`` runs every opforge call under `opforge.autotuning` (each tiling bucket's
 fitting candidates timed on first use, the tensor-descriptor variants among them) and adds
 the choices, with every candidate's time, to the report; ``--skip-bandwidth`` leaves out
-the memory-bound operators, their forward + backward rows and the graph checks.
+the memory-bound operators, their forward + backward rows and the graph checks;
+``--targets`` keeps only the speed targets (attention at B 4, H 32, S 4096, D 128 causal
+and MlaProlog at both token counts). Rows are printed as they are measured.
 
 Writes ``<out>/gpu_bench_<date>_<time>.{csv,md}`` (``--out`` defaults to ``$OUT``, else
 benchmarks/results) and exits non-zero when a correctness or graph check fails or a
