@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 import opforge
 from opforge.cli import main
-from opforge.precision.dump import DumpError, dump, read_step, step_folders
+from opforge.precision.dump import DumpError, dump, entry_key, read_step, step_folders
 
 
 class Block(torch.nn.Module):
@@ -108,6 +111,15 @@ def test_missing_and_misaligned_dumps_fail_closed(tmp_path, capsys):
     _run(tmp_path / "c", _model(), steps=1)
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "c"), str(tmp_path / "b"), "--plot", ""]) == 2
+    _assert_one_line_error(capsys, "tensor 0.linear#0.forward.input.0 has no entry")
+    _run(tmp_path / "d", _model(), mode="statistics", steps=1)
+    _run(tmp_path / "e", _model(), mode="statistics", steps=1)
+    manifest = tmp_path / "e" / "rank0" / "step0" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["entries"] = data["entries"][1:]
+    manifest.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "d"), str(tmp_path / "e"), "--plot", ""]) == 2
     _assert_one_line_error(capsys, "do not line up",
                            "first only in the reference: 0.linear#0.forward.input.0")
 
@@ -255,11 +267,12 @@ def test_tensor_file_without_an_entry_and_stray_folders(tmp_path, capsys):
     (tmp_path / "a" / "rank0" / "step0_old").mkdir()     # not a step: left out
     folder = tmp_path / "b" / "rank0" / "step0"
     data = json.loads((folder / "manifest.json").read_text())
-    data["entries"][0]["key"] = "renamed"
+    data["entries"][0]["module"] = "renamed"
+    data["entries"][0]["key"] = entry_key(data["entries"][0])
     (folder / "manifest.json").write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 2
-    _assert_one_line_error(capsys, "no tensor for entry renamed")
+    _assert_one_line_error(capsys, f"no tensor for entry {data['entries'][0]['key']}")
 
 
 class Up(torch.nn.Module):
@@ -355,3 +368,197 @@ def test_multi_rank_compare_reports_the_earliest_step(tmp_path, capsys):
     shutil.rmtree(tmp_path / "b" / "y")
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 1
     assert "diverged at rank1/step0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fail closed by construction: random damage to valid dumps
+
+
+@pytest.fixture(scope="module")
+def valid_dumps(tmp_path_factory):
+    """Two agreeing runs of one step in each mode: ``{mode: (run_a, run_b)}``."""
+    root = tmp_path_factory.mktemp("dumps")
+    runs = {}
+    for mode in ("tensor", "statistics"):
+        for name in ("a", "b"):
+            _run(root / mode / name, _model(), mode=mode, steps=1)
+        runs[mode] = (root / mode / "a", root / mode / "b")
+    return runs
+
+
+# JSON kinds: a replacement of another kind than a field's is never valid for it.
+def _kind(value: object) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                 max_size=3), max_leaves=6)
+INTEGER_FIELDS = ("call", "index", "nan", "inf", "bytes")
+
+
+def _fields(manifest: dict) -> list[tuple[dict, str]]:
+    """Every (object, field) of a manifest that a comparison reads."""
+    fields = [(manifest, name) for name in ("format", "mode", "entries", "tensors")
+              if name in manifest]
+    for entry in manifest["entries"]:
+        fields += [(entry, name) for name in entry]
+        fields += [(entry["stats"], name) for name in entry["stats"]]
+    if "tensors" in manifest:
+        fields += [(manifest["tensors"], name) for name in manifest["tensors"]]
+    return fields
+
+
+def _rehash(folder, manifest: dict, data: bytes) -> None:
+    import hashlib
+
+    (folder / "tensors.safetensors").write_bytes(data)
+    manifest["tensors"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+@st.composite
+def damage(draw, mode: str):
+    """A function that damages a copied step folder, and whether the damage must make the
+    dump malformed (exit 2) or may leave a valid dump of other values (exit 0, 1 or 2)."""
+    from safetensors.torch import load, save
+
+    kinds = ["field", "entries", "truncate_manifest", "directory"]
+    if mode == "tensor":
+        kinds += ["truncate_tensors", "flip_tensor_byte", "tensor_shape", "tensor_dtype"]
+    kind = draw(st.sampled_from(kinds))
+    pick, value = draw(st.integers(0, 10**6)), draw(JSON_VALUES)
+    delete, rehash = draw(st.booleans()), draw(st.booleans())
+    note(f"damage {kind}: pick {pick}, value {value!r}, delete {delete}, rehash {rehash}")
+
+    def apply(folder) -> None:
+        path = folder / "manifest.json"
+        manifest = json.loads(path.read_text())
+        tensors = (folder / "tensors.safetensors").read_bytes() if mode == "tensor" else b""
+        if kind == "field":
+            owner, name = _fields(manifest)[pick % len(_fields(manifest))]
+            if delete:
+                del owner[name]
+            else:
+                owner[name] = value
+        elif kind == "entries":
+            entries = manifest["entries"]
+            manifest["entries"] = [] if delete else [*entries, entries[pick % len(entries)]]
+        elif kind == "truncate_manifest":
+            path.write_bytes(path.read_bytes()[:pick % path.stat().st_size])
+            return
+        elif kind == "directory":
+            target = folder / ("manifest.json" if delete or mode != "tensor"
+                               else "tensors.safetensors")
+            target.unlink()
+            target.mkdir()
+            return
+        elif kind == "truncate_tensors":
+            cut = tensors[:pick % len(tensors)]
+            if rehash:
+                _rehash(folder, manifest, cut)
+            else:
+                (folder / "tensors.safetensors").write_bytes(cut)
+        elif kind == "flip_tensor_byte":
+            flipped = bytearray(tensors)
+            flipped[pick % len(flipped)] ^= 1 << (pick % 8)
+            if rehash:
+                _rehash(folder, manifest, bytes(flipped))
+            else:
+                (folder / "tensors.safetensors").write_bytes(bytes(flipped))
+        else:
+            loaded = load(tensors)
+            key = sorted(loaded)[pick % len(loaded)]
+            loaded[key] = (loaded[key].reshape(-1)[:-1] if kind == "tensor_shape" and
+                           loaded[key].numel() else loaded[key].reshape(1, -1).to(torch.int64)
+                           if kind == "tensor_dtype" else torch.zeros(1))
+            _rehash(folder, manifest, save(loaded))
+        path.write_text(json.dumps(manifest))
+
+    # The damage that may still leave a valid dump: a field given another value of its own
+    # kind (the text of a name, a finite statistic), a flipped tensor byte re-hashed.
+    def must_fail(original: dict) -> bool:
+        if kind == "field":
+            owner, name = _fields(original)[pick % len(_fields(original))]
+            if delete:
+                return True
+            if name in INTEGER_FIELDS and isinstance(value, float):
+                return True
+            return _kind(value) != _kind(owner[name])
+        return not (kind == "flip_tensor_byte" and rehash)
+
+    return apply, must_fail
+
+
+@pytest.mark.parametrize("mode", ["tensor", "statistics"])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_dumps_fail_closed(valid_dumps, mode, data, capsys):
+    """Any damage to either run ends in exit 0, 1 or 2 without a traceback, and in 2 with
+    one ``error:`` line for every damage that makes a dump malformed."""
+    import shutil
+    import tempfile
+
+    apply, must_fail = data.draw(damage(mode))
+    damaged_side = data.draw(st.sampled_from((0, 1)))
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = [Path(shutil.copytree(run, Path(scratch) / str(side)))
+                for side, run in enumerate(valid_dumps[mode])]
+        folder = runs[damaged_side] / "rank0" / "step0"
+        original = json.loads((folder / "manifest.json").read_text())
+        apply(folder)
+        capsys.readouterr()
+        status = main(["compare", str(runs[0]), str(runs[1]), "--plot", ""])
+    out = capsys.readouterr().out
+    assert status in (0, 1, 2)
+    if must_fail(original):
+        assert status == 2, out
+    if status == 2:
+        assert out.startswith("error:") and out.count("\n") == 1, out
+
+
+def _damaged(folder, damage: str) -> None:
+    from safetensors.torch import load, save
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entries = manifest["entries"]
+    if damage in ("int64", "bool", "float8_e4m3fn"):
+        entries[0]["dtype"] = damage
+    elif damage == "shape":
+        tensors = load((folder / "tensors.safetensors").read_bytes())
+        tensors[entries[0]["key"]] = tensors[entries[0]["key"]][:-1].clone()
+        _rehash(folder, manifest, save(tensors))
+    elif damage == "empty":
+        manifest["entries"] = []
+    elif damage == "duplicate":
+        entries.append(dict(entries[0]))
+    if damage in ("manifest_directory", "tensors_directory"):
+        target = folder / ("manifest.json" if damage == "manifest_directory"
+                           else "tensors.safetensors")
+        target.unlink()
+        target.mkdir()
+    else:
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("int64", "not one a comparison has a standard for"), ("bool", "'bool'"),
+    ("float8_e4m3fn", "'float8_e4m3fn'"), ("shape", "has shape [7, 32], its entry [8, 32]"),
+    ("manifest_directory", "manifest.json: not a file"),
+    ("tensors_directory", "tensors.safetensors: not a file"),
+    ("empty", "no entries"), ("duplicate", "appears twice")])
+def test_malformed_dumps_of_every_kind_exit_2(valid_dumps, tmp_path, capsys, damage, words):
+    """The damages that once ended in a traceback and exit 1, or compared as agreement
+    (no entries, a key twice)."""
+    import shutil
+
+    runs = [shutil.copytree(run, tmp_path / name)
+            for name, run in zip("ab", valid_dumps["tensor"])]
+    _damaged(runs[1] / "rank0" / "step0", damage)
+    capsys.readouterr()
+    assert main(["compare", str(runs[0]), str(runs[1]), "--plot", ""]) == 2
+    _assert_one_line_error(capsys, words)

@@ -64,10 +64,24 @@ def test_deterministic_kernel_is_bitwise_stable_over_runs_and_grids():
 def test_index_dtypes_and_leading_shapes(backend):
     grad, indices = _data(positions=60, seed=4)
     expected = opforge.embedding_dense_grad(grad, indices, 40)
-    for dtype in (torch.int32, torch.int16, torch.uint8):
+    for dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
         shaped = opforge.embedding_dense_grad(grad.view(3, 4, 5, 24),
                                               indices.to(dtype).view(3, 4, 5), 40)
         torch.testing.assert_close(shaped, expected)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_strided_indices_are_read_as_the_elements_they_hold(deterministic, backend):
+    """``idx[::2]`` whose skipped elements lie outside the table: the kernels read the
+    view's elements (they once read it as contiguous: rows on wrong table rows, then writes
+    outside the table), and the range check passes on exactly those."""
+    grad, indices = _data(positions=50, seed=6)
+    storage = torch.full((100,), 10**9, dtype=torch.int64, device=DEVICE)
+    strided = storage[::2]
+    strided.copy_(indices)
+    ours = opforge.embedding_dense_grad(grad, strided, 40, deterministic=deterministic)
+    expected = torch.ops.aten.embedding_dense_backward(grad, indices, 40, -1, False)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_none_follows_torch_deterministic_setting():

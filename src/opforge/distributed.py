@@ -19,6 +19,10 @@ the merged out and lse), and returns the accumulators to their owners with one f
 
 `gathered_attention` is the barrier-synchronised baseline: all-gather K and V, barrier,
 local attention.
+
+Every collective here waits at most the call's ``timeout`` (60 s by default) and fails
+with ``TimeoutError`` whether a peer stalled or died, on every backend: no rank waits
+forever for another.
 """
 
 from __future__ import annotations
@@ -83,10 +87,21 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _wait(work: object, timeout: datetime.timedelta, what: str) -> None:
-    """Wait for an asynchronous collective; a peer that died or stalls raises within
-    ``timeout``."""
-    if not work.wait(timeout):
-        raise TimeoutError(f"{what} did not finish within {timeout}")
+    """Wait for an asynchronous collective, at most ``timeout``.
+
+    Raises:
+        TimeoutError: it did not complete in time, or the backend reported its failure (a
+            peer that stalled or died: gloo raises its own RuntimeError, kept as the
+            ``__cause__``), so that callers see one error type.
+    """
+    try:
+        finished = work.wait(timeout)
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        raise TimeoutError(f"{what} did not complete within {timeout} (a peer stalled or "
+                           f"died): {reason}") from error
+    if not finished:
+        raise TimeoutError(f"{what} did not complete within {timeout}")
 
 
 def _padded(shape: torch.Size, dims: int) -> list[int]:
@@ -397,9 +412,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v: this rank's shards ``[B, H, S/W, D]`` (as `shard_sequence` cuts them;
             GQA as in `opforge.attention`).
         causal: causal over global positions.
-        layout: ``"contiguous"`` or ``"zigzag"``; None: zigzag when causal.
-        timeout: how long a transfer may take before ``TimeoutError`` (a dead or stalled
-            peer never hangs the others forever).
+        layout: ``"contiguous"`` or ``"zigzag"``, as `shard_sequence` cut the shards;
+            None: contiguous, for non-causal attention only (which does not depend on
+            it); causal attention must name it.
+        timeout: how long each collective (the ranks' check, each transfer) may take
+            before ``TimeoutError`` (a dead or stalled peer never hangs the others).
         timings: if given, accumulates seconds of ``compute`` and ``wait``.
 
     Returns:
@@ -412,6 +429,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         AttrError: an unknown layout, or none given with ``causal`` (it must be the one
             the shards were cut with).
         All before any transfer, on every rank alike, so that the group stays usable.
+        TimeoutError: a collective did not complete within ``timeout`` (see `_wait`).
     """
     layout = _layout(layout, causal, "ring_attention")
     _check_shards(q, k, v, causal, scale, layout, group, "ring_attention", timeout)
@@ -471,14 +489,17 @@ class HierarchicalGroups:
     local_rank: int
 
 
-def hierarchical_groups(local_world_size: int) -> HierarchicalGroups:
+def hierarchical_groups(local_world_size: int,
+                        timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> HierarchicalGroups:
     """Build intra-node and inter-node (leader) groups from the world, nodes of
     ``local_world_size`` consecutive ranks. Every rank must call it (group creation is
     collective). The flat ring over the world stays the default of `ring_attention`;
-    pass ``groups.intra`` to run a ring inside a node.
+    pass ``groups.intra`` to run a ring inside a node. The groups' own collectives, and
+    their creation, wait at most ``timeout``.
 
     Raises:
         AttrError: the world size is not a multiple of ``local_world_size``.
+        TimeoutError: a rank did not join a group within ``timeout``.
     """
     world = dist.get_world_size()
     if local_world_size < 1 or world % local_world_size:
@@ -487,12 +508,19 @@ def hierarchical_groups(local_world_size: int) -> HierarchicalGroups:
                         got=local_world_size)
     rank = dist.get_rank()
     node, local_rank = divmod(rank, local_world_size)
+    def group(ranks: list[int]) -> dist.ProcessGroup:
+        try:
+            return dist.new_group(ranks, timeout=timeout)
+        except RuntimeError as error:  # the store barrier of group creation timed out
+            raise TimeoutError(f"the creation of the group of ranks {ranks} did not "
+                               f"complete within {timeout}: {error}") from error
+
     intra = None
     for first in range(0, world, local_world_size):
-        created = dist.new_group(list(range(first, first + local_world_size)))
+        created = group(list(range(first, first + local_world_size)))
         if first == node * local_world_size:
             intra = created
-    leaders = dist.new_group(list(range(0, world, local_world_size)))
+    leaders = group(list(range(0, world, local_world_size)))
     return HierarchicalGroups(intra, leaders if local_rank == 0 else None, node, local_rank)
 
 
@@ -556,6 +584,7 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises:
         ShapeError: the shard lengths differ (here or across the ranks), or attention's own
             shape checks. DtypeError: as `opforge.attention`. All before any transfer.
+        TimeoutError: a collective did not complete within ``timeout``.
     """
     _check_shards(q, k, v, causal, scale, "contiguous", None, "hierarchical_attention",
                   timeout)
@@ -600,23 +629,23 @@ def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        group: dist.ProcessGroup | None = None, causal: bool = False,
-                       scale: float | None = None, layout: str | None = None
-                       ) -> torch.Tensor:
+                       scale: float | None = None, layout: str | None = None,
+                       timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> torch.Tensor:
     """The barrier-synchronised baseline (for comparison): all-gather K and V, barrier,
     then this rank's queries against the whole sequence (a causal rank attends to the
-    keys before its chunks' ends, which the bottom-right mask aligns).
+    keys before its chunks' ends, which the bottom-right mask aligns). Each collective
+    waits at most ``timeout``.
 
     Raises:
-        AttrError: an unknown layout, or none given with ``causal``. ShapeError, DtypeError:
-            as `ring_attention`.
+        AttrError: an unknown layout, or none given with ``causal``. ShapeError, DtypeError,
+            TimeoutError: as `ring_attention`.
     """
     layout = _layout(layout, causal, "gathered_attention")
-    _check_shards(q, k, v, causal, scale, layout, group, "gathered_attention",
-                  DEFAULT_TIMEOUT)
+    _check_shards(q, k, v, causal, scale, layout, group, "gathered_attention", timeout)
     rank, world = _group_info(group)
     # The shards were compared across the ranks above: gathered without a second check.
-    keys, values = (_Unshard.apply(t, 2, layout, group, DEFAULT_TIMEOUT) for t in (k, v))
-    dist.barrier(group=group)
+    keys, values = (_Unshard.apply(t, 2, layout, group, timeout) for t in (k, v))
+    _wait(dist.barrier(group=group, async_op=True), timeout, "the barrier after the gather")
     if not causal:
         return attention(q, keys, values, False, scale)
     chunk = q.shape[2] // len(_pieces(rank, world, layout))

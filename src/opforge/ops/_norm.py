@@ -546,8 +546,9 @@ def as_rows(tensor: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter read as a contiguous vector (a copy only when it is strided: the kernels
-    index it with unit stride, and ``reshape`` of a strided 1-D view is that view)."""
+    """A parameter or statistic read as a contiguous vector (a copy only when it is
+    strided: the kernels index it with unit stride, and ``reshape`` of a strided 1-D view
+    is that view)."""
     return tensor if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
@@ -595,9 +596,11 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
     rows = x_rows.shape[0]
     programs = plan.grid[0]
     tiling = plan.tiling
-    partials = workspace.view(torch.float32) if workspace is not None else rstd.view(-1)
+    # The saved statistics are indexed by row with unit stride, as the parameters are.
+    rstd = _flat(rstd)
+    partials = workspace.view(torch.float32) if workspace is not None else rstd
     norm_backward_kernel[plan.grid](
-        grad_rows, x_rows, mean if mean is not None else rstd,
+        grad_rows, x_rows, _flat(mean) if mean is not None else rstd,
         rstd, _flat(weight) if weight is not None else x_rows,
         grad_x, partials, rows, cols, grad_rows.stride(0), x_rows.stride(0),
         CENTER=center, RECENTRE=center and recentre, HAS_WEIGHT=weight is not None,

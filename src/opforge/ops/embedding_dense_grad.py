@@ -65,7 +65,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 NAME = "embedding_dense_grad"
-INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 COLUMN_BLOCK = 1024
 
 
@@ -149,9 +149,15 @@ def zipf_indices(shape: Sequence[int], num_weights: int, generator: torch.Genera
     return picks.reshape(tuple(shape))
 
 
-def _checked_range(indices: torch.Tensor, attrs: Attrs) -> None:
-    """Raises IndexRangeError for an index outside [0, num_weights) (padding_idx aside)."""
-    flat = indices.reshape(-1)
+def flat_indices(indices: torch.Tensor) -> torch.Tensor:
+    """The positions' indices as the kernels read them: int64, one contiguous vector (a
+    strided or expanded view would be read as if it were contiguous)."""
+    return indices.reshape(-1).long().contiguous()
+
+
+def _checked_range(flat: torch.Tensor, attrs: Attrs) -> None:
+    """Raises IndexRangeError for an index of ``flat`` (`flat_indices`, what the kernels
+    read) outside [0, num_weights) (padding_idx aside)."""
     if not flat.numel():
         return
     flat = flat[flat != attrs["padding_idx"]] if attrs["padding_idx"] >= 0 else flat
@@ -167,7 +173,7 @@ def _checked_range(indices: torch.Tensor, attrs: Attrs) -> None:
 def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
     """The index range, unless ``check_range=False`` lets a GPU skip it."""
     if plan.attrs["check_range"] or inputs[0].device.type != "cuda":
-        _checked_range(inputs[1], plan.attrs)
+        _checked_range(flat_indices(inputs[1]), plan.attrs)
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -354,7 +360,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     grad, indices = inputs
     out = outputs[0]
     attrs = plan.attrs
-    flat = indices.reshape(-1).long()
+    flat = flat_indices(indices)
     positions, width = flat.numel(), grad.shape[-1]
     rows = grad.reshape(positions, width).contiguous()
     scale = None

@@ -252,14 +252,63 @@ class StepDump:
     tensors: dict[str, torch.Tensor] | None
 
 
-_ENTRY_FIELDS = {"key": str, "module": str, "call": int, "phase": str, "io": str,
-                 "index": int, "shape": list, "dtype": str, "stats": dict}
-_STAT_FIELDS = ("min", "max", "mean", "norm", "nan", "inf")
+PHASES = ("forward", "backward")
+IOS = ("input", "output")
+# The dtypes a comparison has a standard for (`THRESHOLDS["run_compare"]`).
+COMPARED_DTYPES = {str(d).removeprefix("torch."): d for d in THRESHOLDS["run_compare"]}
+_STAT_NUMBERS = ("min", "max", "mean", "norm")
+_STAT_FLAGS = ("nan", "inf")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _count(value: Any) -> bool:
+    """A JSON integer >= 0 (``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def entry_key(entry: dict[str, Any]) -> str:
+    """The key an entry's fields give it: ``<module>#<call>.<phase>.<io>.<index>``."""
+    return f"{entry['module']}#{entry['call']}.{entry['phase']}.{entry['io']}.{entry['index']}"
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What makes ``entry`` unusable for `compare_steps`, or ``None``."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    checks = {"key": isinstance(entry.get("key"), str),
+              "module": isinstance(entry.get("module"), str),
+              "call": _count(entry.get("call")), "index": _count(entry.get("index")),
+              "phase": entry.get("phase") in PHASES, "io": entry.get("io") in IOS,
+              "shape": isinstance(entry.get("shape"), list)
+              and all(_count(size) for size in entry["shape"]),
+              "dtype": isinstance(entry.get("dtype"), str)
+              and entry["dtype"] in COMPARED_DTYPES,
+              "stats": isinstance(entry.get("stats"), dict)}
+    wrong = next((name for name, ok in checks.items() if not ok), None)
+    if wrong == "dtype":
+        return (f"dtype {entry.get('dtype')!r} is not one a comparison has a standard for "
+                f"({', '.join(COMPARED_DTYPES)})")
+    if wrong is not None:
+        return f"field {wrong!r} is missing or invalid: {entry.get(wrong)!r}"
+    stats = entry["stats"]
+    if not all(_number(stats.get(name)) for name in _STAT_NUMBERS) or not all(
+            _count(stats.get(name)) and stats[name] <= 1 for name in _STAT_FLAGS):
+        return (f"stats need numbers {', '.join(_STAT_NUMBERS)} and 0/1 flags "
+                f"{', '.join(_STAT_FLAGS)}: {stats!r}")
+    if entry["key"] != entry_key(entry):
+        return f"key {entry['key']!r} is not its fields' {entry_key(entry)!r}"
+    return None
 
 
 def _check_manifest(manifest: Any, path: Path) -> None:
     """Raise `DumpError` naming the first field of ``manifest`` that `compare_steps` could
-    not use."""
+    not use as it stands: every field it reads is checked for its type and its domain
+    (dtypes with a standard, phases, counts), keys are unique and their fields' own, the
+    entry list is not empty, and the tensor file is a name in the step's folder."""
     def fail(what: str) -> None:
         raise DumpError(f"{path}: malformed manifest: {what}")
 
@@ -267,43 +316,56 @@ def _check_manifest(manifest: Any, path: Path) -> None:
         fail("not a JSON object")
     if manifest.get("mode") not in MODES:
         fail(f"mode {manifest.get('mode')!r}, expected one of {', '.join(MODES)}")
-    if not isinstance(manifest.get("entries"), list):
-        fail("no list of entries")
-    for number, entry in enumerate(manifest["entries"]):
-        if not isinstance(entry, dict):
-            fail(f"entry {number} is not an object")
-        for name, kind in _ENTRY_FIELDS.items():
-            if not isinstance(entry.get(name), kind):
-                fail(f"entry {number} ({entry.get('key', '?')}): field {name!r} missing or "
-                     f"not a {kind.__name__}")
-        if not all(isinstance(entry["stats"].get(f), (int, float)) for f in _STAT_FIELDS):
-            fail(f"entry {number} ({entry['key']}): stats need {', '.join(_STAT_FIELDS)}")
-        if not hasattr(torch, entry["dtype"]) or not isinstance(
-                getattr(torch, entry["dtype"]), torch.dtype):
-            fail(f"entry {number} ({entry['key']}): unknown dtype {entry['dtype']!r}")
+    entries = manifest.get("entries")
+    if not isinstance(entries, list) or not entries:
+        fail("no entries (a list of at least one)")
+    seen: set[str] = set()
+    for number, entry in enumerate(entries):
+        problem = _entry_problem(entry)
+        if problem is not None:
+            key = entry.get("key") if isinstance(entry, dict) else None
+            fail(f"entry {number}{f' ({key})' if isinstance(key, str) else ''} {problem}")
+        if entry["key"] in seen:
+            fail(f"entry {number}: key {entry['key']} appears twice")
+        seen.add(entry["key"])
     info = manifest.get("tensors")
     if manifest["mode"] == "tensor" and not (
             isinstance(info, dict) and isinstance(info.get("file"), str)
-            and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
-        fail("a tensor-mode manifest needs tensors.file, tensors.bytes and tensors.sha256")
+            and info["file"] not in ("", ".", "..") and not re.search(r"[/\\\0]", info["file"])
+            and _count(info.get("bytes")) and isinstance(info.get("sha256"), str)
+            and _SHA256.fullmatch(info["sha256"])):
+        fail("a tensor-mode manifest needs tensors.file (a file name in the step's folder), "
+             "tensors.bytes and tensors.sha256 (64 hex digits)")
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    if not path.is_file():
+        raise DumpError(f"{path}: {'missing' if not path.exists() else 'not a file'} "
+                        f"({what})")
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise DumpError(f"{path}: cannot be read ({error.strerror or error})") from None
 
 
 def read_step(folder: Path) -> StepDump:
-    """Read ``folder`` (a ``step<N>``): the manifest, and the tensors it vouches for.
+    """Read ``folder`` (a ``step<N>``, normally below ``rank<R>``): the manifest, and the
+    tensors it vouches for.
 
     Raises:
-        DumpError: no manifest, a manifest of another format or with missing or mistyped
-            fields, or a tensor file that is missing, differs from the manifest's size or
-            SHA-256, or lacks one of its entries.
+        DumpError: no manifest, one that is not a readable file, of another format, or
+            with a field `compare_steps` could not use (see `_check_manifest`), or a
+            tensor file that is missing, differs from the manifest's size or SHA-256, is
+            not a safetensors file, or whose tensors are not the entries' (one missing,
+            one more, another shape, not floating point).
     """
     from safetensors.torch import load
 
     manifest_path = folder / MANIFEST
-    if not manifest_path.exists():
-        raise DumpError(f"{folder}: no {MANIFEST} (an incomplete or missing dump)")
+    raw = _read_bytes(manifest_path, "an incomplete or missing dump")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as error:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # RecursionError: nesting too deep
         raise DumpError(f"{manifest_path}: not valid JSON ({error})") from None
     if isinstance(manifest, dict) and manifest.get("format") != FORMAT:
         raise DumpError(f"{manifest_path}: format {manifest.get('format')!r}, "
@@ -313,9 +375,7 @@ def read_step(folder: Path) -> StepDump:
     if manifest["mode"] == "tensor":
         info = manifest["tensors"]
         path = folder / info["file"]
-        if not path.exists():
-            raise DumpError(f"{path}: missing")
-        data = path.read_bytes()
+        data = _read_bytes(path, "the manifest's tensor file")
         if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
             raise DumpError(f"{path}: {len(data)} bytes, the manifest vouches for "
                             f"{info['bytes']} bytes with another checksum (truncated or "
@@ -324,10 +384,27 @@ def read_step(folder: Path) -> StepDump:
             tensors = load(data)
         except Exception as error:  # safetensors raises its own error types
             raise DumpError(f"{path}: not a safetensors file ({error})") from None
-        missing = [e["key"] for e in manifest["entries"] if e["key"] not in tensors]
-        if missing:
-            raise DumpError(f"{path}: no tensor for entry {missing[0]}")
+        _check_tensors(tensors, manifest["entries"], path)
     return StepDump(folder, manifest, tensors)
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], entries: Sequence[dict[str, Any]],
+                   path: Path) -> None:
+    """The tensor file holds exactly the entries' tensors, each of its entry's shape and
+    of a compared dtype (a loss-scaled gradient is float32 whatever its entry's dtype)."""
+    for entry in entries:
+        tensor = tensors.get(entry["key"])
+        if tensor is None:
+            raise DumpError(f"{path}: no tensor for entry {entry['key']}")
+        if list(tensor.shape) != entry["shape"]:
+            raise DumpError(f"{path}: tensor {entry['key']} has shape {list(tensor.shape)}, "
+                            f"its entry {entry['shape']}")
+        if tensor.dtype not in COMPARED_DTYPES.values():
+            raise DumpError(f"{path}: tensor {entry['key']} is {tensor.dtype}, not one of "
+                            f"{', '.join(COMPARED_DTYPES)}")
+    if len(tensors) != len(entries):
+        extra = next(key for key in tensors if key not in {e["key"] for e in entries})
+        raise DumpError(f"{path}: tensor {extra} has no entry in the manifest")
 
 
 _STEP_FOLDER = re.compile(r"rank(\d+)/step(\d+)")
