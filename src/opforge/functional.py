@@ -329,9 +329,10 @@ def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights:
     ``scale_grad_by_freq``), rows of ``padding_idx`` skipped, float32 accumulation.
 
     Args:
-        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: int64, int32, int16 or
-            uint8, any shape. deterministic: the sort-based kernel (bitwise reproducible) or the
-            atomic one; None follows ``torch.are_deterministic_algorithms_enabled()``.
+        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: int64, int32, int16, int8
+            or uint8, any shape and layout. deterministic: the sort-based kernel (bitwise
+            reproducible) or the atomic one; None follows
+            ``torch.are_deterministic_algorithms_enabled()``.
         check_range: check every index before the kernels (one read of the extremes);
             ``False`` skips it on GPUs only.
 
