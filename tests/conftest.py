@@ -45,6 +45,35 @@ def poison_outputs():
     opforge.set_poison(False)
 
 
+@pytest.fixture
+def setenv(monkeypatch):
+    """``setenv(name, value)``: `monkeypatch.setenv` for the variables opforge reads once
+    (`opforge.core.settings`), read again at once and again after the test."""
+    from opforge.core import settings
+
+    def set_variable(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        settings.reload_environment()
+
+    yield set_variable
+    monkeypatch.undo()
+    settings.reload_environment()
+
+
+@pytest.fixture
+def replace_launcher(monkeypatch):
+    """``replace_launcher(op, backend, launcher)`` for the test: a plan holds the launcher
+    it was built with, so the plan caches are dropped when one is replaced and again when
+    it is restored."""
+    def replace(op: OpDef, backend: str, launcher: object) -> None:
+        monkeypatch.setitem(op.launchers, backend, launcher)
+        opforge.clear_caches()
+
+    yield replace
+    monkeypatch.undo()
+    opforge.clear_caches()
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run the test once per backend."""

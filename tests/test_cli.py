@@ -41,7 +41,7 @@ def test_verify_writes_a_report(tmp_path, capsys):
     assert certificate.with_suffix(".png").exists()
 
 
-def _plant(monkeypatch, op_name: str, output: int = 0) -> None:
+def _plant(replace_launcher, op_name: str, output: int = 0) -> None:
     """Make the operator's Triton path wrong by 1% on every element of one output."""
     import opforge
 
@@ -52,17 +52,17 @@ def _plant(monkeypatch, op_name: str, output: int = 0) -> None:
         launch(plan, inputs, outputs, workspace)
         outputs[output].mul_(1.01)
 
-    monkeypatch.setitem(op.launchers, "triton", wrong)
+    replace_launcher(op, "triton", wrong)
 
 
-def test_verify_fails_with_non_zero_exit(monkeypatch, capsys):
-    _plant(monkeypatch, "sigmoid")
+def test_verify_fails_with_non_zero_exit(replace_launcher, capsys):
+    _plant(replace_launcher, "sigmoid")
     assert main(["verify", "sigmoid", "--backend", "triton", "--dtype", "float32",
                  "--cases", "samples", "--quiet"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "sigmoid / randn_4097 / triton / float32: fail" in out
     # A reason about one of several outputs keeps its [output] tag on the terminal.
-    _plant(monkeypatch, "rms_norm", output=1)
+    _plant(replace_launcher, "rms_norm", output=1)
     assert main(["verify", "rms_norm", "--backend", "triton", "--dtype", "float32",
                  "--cases", "samples", "--quiet"]) == 1
     assert "[rstd]" in capsys.readouterr().out
@@ -279,11 +279,12 @@ def test_out_of_range_numbers_are_usage_errors(arguments, capsys):
     assert exit_.value.code == 2 and "is not an integer" in capsys.readouterr().err
 
 
-def test_doctor_reports_a_bad_backend_setting_and_what_cpu_tensors_get(monkeypatch, capsys):
-    monkeypatch.setenv("OPFORGE_BACKEND", "bogus")
+def test_doctor_reports_a_bad_backend_setting_and_what_cpu_tensors_get(setenv, monkeypatch,
+                                                                       capsys):
+    setenv("OPFORGE_BACKEND", "bogus")
     assert main(["doctor"]) == 0
     assert "invalid" in capsys.readouterr().out
-    monkeypatch.setenv("OPFORGE_BACKEND", "triton")
+    setenv("OPFORGE_BACKEND", "triton")
     monkeypatch.setattr("opforge.core.backends.interpreter_enabled", lambda: False)
     assert main(["doctor"]) == 0
     assert "refused: CPU tensors need TRITON_INTERPRET=1" in capsys.readouterr().out

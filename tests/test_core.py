@@ -311,13 +311,15 @@ def test_float64_always_runs_on_torch(backend):
 
 # -- backends ---------------------------------------------------------------------------------
 
-def test_backend_setting_precedence(monkeypatch):
-    monkeypatch.setenv("OPFORGE_BACKEND", "triton")
+def test_backend_setting_precedence(setenv, monkeypatch):
+    setenv("OPFORGE_BACKEND", "triton")
     assert backends.requested_backend() == "triton"
     with opforge.use_backend("torch"):
         assert backends.requested_backend() == "torch"
         assert opforge.plan("sigmoid", torch.ones(2)).backend == "torch"
-    monkeypatch.setenv("OPFORGE_BACKEND", "cuda")
+    monkeypatch.setenv("OPFORGE_BACKEND", "torch")  # read once: not seen until reloaded
+    assert backends.requested_backend() == "triton"
+    setenv("OPFORGE_BACKEND", "cuda")
     with pytest.raises(ValueError, match="unknown backend"):
         backends.requested_backend()
 

@@ -73,7 +73,7 @@ def test_goldens_beyond_the_range_count_as_inf():
     assert rounded_range(golden, torch.float16)[2] == float("inf")
 
 
-def _planted(monkeypatch, op_name, limitation=None, output=0):
+def _planted(monkeypatch, replace_launcher, op_name, limitation=None, output=0):
     """Make the operator's Triton path wrong by 1% on every element of one output."""
     op = opforge.get_op(op_name)
     launch = op.launchers["triton"]
@@ -82,15 +82,15 @@ def _planted(monkeypatch, op_name, limitation=None, output=0):
         launch(plan, inputs, outputs, workspace)
         outputs[output].mul_(1.01)
 
-    monkeypatch.setitem(op.launchers, "triton", wrong)
+    replace_launcher(op, "triton", wrong)
     if limitation is not None:
         spec = dataclasses.replace(op.precision, known_limitations=(limitation,))
         monkeypatch.setattr(op, "precision", spec)
     return op
 
 
-def test_a_planted_error_fails_its_standard(monkeypatch):
-    op = _planted(monkeypatch, "sigmoid")
+def test_a_planted_error_fails_its_standard(monkeypatch, replace_launcher):
+    op = _planted(monkeypatch, replace_launcher, "sigmoid")
     results = verify([op], [torch.float16], ["torch", "triton"], case_sets=("samples",))
     by_backend = {b: {r.status for r in results if r.backend == b} for b in ("torch", "triton")}
     assert by_backend["torch"] == {"pass"}
@@ -99,10 +99,10 @@ def test_a_planted_error_fails_its_standard(monkeypatch):
     assert all(any(reason.startswith("rmse ratio") for reason in r.reasons) for r in triton)
 
 
-def test_known_limitations_excuse_only_the_cases_they_name(monkeypatch):
+def test_known_limitations_excuse_only_the_cases_they_name(monkeypatch, replace_launcher):
     reason = "a planted one-percent error, for this test only; never silent in the report"
-    op = _planted(monkeypatch, "sigmoid", KnownLimitation(reason, case="rows_*",
-                                                          backend="triton"))
+    limitation = KnownLimitation(reason, case="rows_*", backend="triton")
+    op = _planted(monkeypatch, replace_launcher, "sigmoid", limitation)
     results = verify([op], [torch.float16], ["triton"], case_sets=("samples",))
     statuses = {r.case: r.status for r in results}
     assert statuses["rows_63x1000"] == "known"
@@ -110,13 +110,13 @@ def test_known_limitations_excuse_only_the_cases_they_name(monkeypatch):
     assert next(r for r in results if r.status == "known").detail == reason
 
 
-def test_errors_in_a_case_are_recorded_not_raised(monkeypatch):
+def test_errors_in_a_case_are_recorded_not_raised(replace_launcher):
     op = opforge.get_op("sigmoid")
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setitem(op.launchers, "triton", broken)
+    replace_launcher(op, "triton", broken)
     results = verify([op], [torch.float32], ["triton"], case_sets=("samples",))
     assert {r.status for r in results if r.case != "zero_size"} == {"error"}
     assert "kernel exploded" in results[0].detail
@@ -171,9 +171,9 @@ def test_a_sweep_case_has_the_same_inputs_in_any_selection():
     assert not torch.equal(other[0].inputs[0], alone[0].inputs[0])
 
 
-def test_a_failing_output_of_several_is_named(monkeypatch):
+def test_a_failing_output_of_several_is_named(monkeypatch, replace_launcher):
     """Reasons and the worst element say which output missed: rstd here."""
-    op = _planted(monkeypatch, "rms_norm", output=1)
+    op = _planted(monkeypatch, replace_launcher, "rms_norm", output=1)
     results = verify([op], [torch.float32], ["triton"], case_sets=("samples",))
     failed = [r for r in results if r.status == "fail"]
     assert failed and all(reason.endswith("[rstd]") for r in failed for reason in r.reasons)

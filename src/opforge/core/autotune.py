@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from opforge.core import settings
 from opforge.core.errors import OpError
 from opforge.core.opdef import Tiling
 
@@ -131,7 +132,9 @@ def set_autotune(enabled: bool | None) -> None:
     _outside_compilation("set_autotune")
     if enabled is None:
         _environment[:] = [environment_setting()]
+        settings.reload_environment()  # every thread's key holds the old reading
     _state.stack = [] if enabled is None else [bool(enabled)]
+    settings.changed()
 
 
 @contextlib.contextmanager
@@ -148,10 +151,12 @@ def autotuning(enabled: bool = True) -> Iterator[None]:
     if stack is None:
         stack = _state.stack = []
     stack.append(bool(enabled))
+    settings.changed()
     try:
         yield
     finally:
         stack.pop()
+        settings.changed()
 
 
 def max_candidates() -> int:

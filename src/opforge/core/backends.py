@@ -5,10 +5,11 @@
            ``TRITON_INTERPRET=1`` (Triton's interpreter).
 ``auto``   ``triton`` for accelerator tensors, ``torch`` on the CPU.
 
-The setting comes from `use_backend` (innermost wins, per thread), else ``OPFORGE_BACKEND``,
-else ``auto``. A backend may decline a call (dtype, size) and say why: under ``auto`` the
-call falls back to ``torch`` and the reason is logged once; a backend chosen explicitly
-raises `UnsupportedError` instead. float64 inputs always run on ``torch``: the kernels
+The setting comes from `use_backend` (innermost wins, per thread), else ``OPFORGE_BACKEND``
+(read once: `opforge.core.settings.reload_environment`), else ``auto``. A backend may
+decline a call (dtype, size) and say why: under ``auto`` the call falls back to ``torch``
+and the reason is logged once; a backend chosen explicitly raises `UnsupportedError`
+instead. float64 inputs always run on ``torch``: the kernels
 compute in float32, and gradcheck and goldens need float64.
 """
 
@@ -24,6 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from opforge.core import settings
 from opforge.core.errors import UnsupportedError
 from opforge.core.opdef import Attrs, OpDef, TensorSpec
 
@@ -123,11 +125,15 @@ def _check_name(name: str) -> str:
 
 
 def requested_backend() -> str:
-    """The backend setting in force: `use_backend`, else ``OPFORGE_BACKEND``, else auto."""
+    """The backend setting in force: `use_backend`, else ``OPFORGE_BACKEND``, else auto.
+
+    Raises:
+        ValueError: ``OPFORGE_BACKEND`` names no backend.
+    """
     stack = getattr(_state, "stack", None)
     if stack:
         return stack[-1]
-    return _check_name(os.environ.get("OPFORGE_BACKEND", "auto") or "auto")
+    return _check_name(settings.environment("OPFORGE_BACKEND") or "auto")
 
 
 @contextlib.contextmanager
@@ -150,10 +156,12 @@ def use_backend(name: str) -> Iterator[str]:
     if stack is None:
         stack = _state.stack = []
     stack.append(_check_name(name))
+    settings.changed()
     try:
         yield name
     finally:
         stack.pop()
+        settings.changed()
 
 
 def _triton_refusal(device: torch.device) -> str | None:

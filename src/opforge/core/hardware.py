@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from opforge.core import settings
 from opforge.core.errors import AttrError, DeviceError
 
 KiB = 1024
@@ -163,13 +164,14 @@ def _builtin_profile(device: torch.device) -> HardwareProfile:
 def profile_for(device: torch.device | str | None = None) -> HardwareProfile:
     """The profile that tiling uses for ``device`` (CPU when ``None``).
 
-    Order: `use_hardware` override, ``OPFORGE_HARDWARE``, the device's built-in profile with
-    calibrated figures merged over it. Profiles are computed once per device and cached.
+    Order: `use_hardware` override, ``OPFORGE_HARDWARE`` (read once), the device's built-in
+    profile with calibrated figures merged over it. Profiles are computed once per device
+    and cached.
     """
     forced = getattr(_override, "profile", None)
     if forced is not None:
         return forced
-    env = os.environ.get("OPFORGE_HARDWARE")
+    env = settings.environment("OPFORGE_HARDWARE")
     if env:
         return get_profile(env)
     if not isinstance(device, torch.device):
@@ -203,12 +205,22 @@ def get_profile(name: str) -> HardwareProfile:
 def use_hardware(profile: HardwareProfile | str) -> Iterator[HardwareProfile]:
     """Plan with ``profile`` inside the block (this thread only)."""
     chosen = get_profile(profile) if isinstance(profile, str) else profile
-    previous = getattr(_override, "profile", None)
-    _override.profile = chosen
+    previous = getattr(_override, "profile", None), getattr(_override, "key", None)
+    _override.profile, _override.key = chosen, repr(chosen)
+    settings.changed()
     try:
         yield chosen
     finally:
-        _override.profile = previous
+        _override.profile, _override.key = previous
+        settings.changed()
+
+
+def hardware_setting() -> str | None:
+    """What, besides the device, decides `profile_for`: the `use_hardware` profile (its
+    repr: profiles of one name may differ), else ``OPFORGE_HARDWARE``; ``None`` when the
+    device's own profile applies."""
+    forced = getattr(_override, "key", None)
+    return forced if forced is not None else settings.environment("OPFORGE_HARDWARE") or None
 
 
 # ---------------------------------------------------------------------------------------------

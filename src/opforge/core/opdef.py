@@ -427,6 +427,17 @@ class OpDef:
     setup_context_fn: Callable[..., None] | None = None
     backward_fn: Callable[..., Any] | None = None
     torch_op: Any = None
+    call: Callable[..., Any] | None = None  # the fast entry, set by `register_op`
+    attr_names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attr_names = tuple(attr.name for attr in self.attrs)
+
+    def __call__(self, *args: Any) -> Any:
+        """Call the operator: tensors, then attribute values in prototype order (trailing
+        defaults may be left out), as ``torch.ops.opforge.<name>`` takes them. Eager
+        calls run their held plan directly; see `opforge.library.register_op`."""
+        return self.call(*args)
 
     # -- decorators used by the operator module ------------------------------------------
 

@@ -1384,7 +1384,7 @@ def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grad_q, grad_k, grad_v = torch.ops.opforge.attention_backward(
+    grad_q, grad_k, grad_v = ATTENTION_BACKWARD(
         grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.scale)
     return grad_q, grad_k, grad_v, None, None
 

@@ -450,7 +450,7 @@ def backward(ctx: object, grad_y: torch.Tensor, grad_mean: torch.Tensor | None,
     """Through `layer_norm_backward`, recentring x_hat (the saved mean is the forward's
     own); mean and rstd are not differentiable."""
     x, mean, rstd, weight, bias = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = torch.ops.opforge.layer_norm_backward(
+    grad_x, grad_weight, grad_bias = LAYER_NORM_BACKWARD(
         grad_y, x, mean, rstd, weight, bias, ctx.normalized_shape, ctx.eps, True)
     return (grad_x, grad_weight if weight is not None else None,
             grad_bias if bias is not None else None, None, None)

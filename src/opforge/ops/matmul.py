@@ -588,10 +588,10 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]
     grad2 = grad.reshape(*batch, m, n)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
-        full = torch.ops.opforge.matmul(grad2, b2.mT, ctx.allow_tf32)
+        full = MATMUL(grad2, b2.mT, ctx.allow_tf32)
         grad_a = sum_to_shape(full, tuple(a2.shape), a.dtype).reshape(a.shape)
     if ctx.needs_input_grad[1]:
-        full = torch.ops.opforge.matmul(a2.mT, grad2, ctx.allow_tf32)
+        full = MATMUL(a2.mT, grad2, ctx.allow_tf32)
         grad_b = sum_to_shape(full, tuple(b2.shape), b.dtype).reshape(b.shape)
     return grad_a, grad_b, None
 

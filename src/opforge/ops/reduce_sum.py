@@ -369,5 +369,5 @@ def sum_to_shape(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
         # Nothing was broadcast: the gradient passes through (as torch's own backward
         # formulas return it) instead of being copied by an empty reduction.
         return grad.reshape(shape).to(dtype)
-    summed = torch.ops.opforge.reduce_sum(grad, list(dims), True, scale)
+    summed = REDUCE_SUM(grad, list(dims), True, scale)
     return summed.reshape(shape).to(dtype)

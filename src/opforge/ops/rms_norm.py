@@ -391,7 +391,7 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[object
 def _backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | None,
               grad_sum: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     x, rstd, weight = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.opforge.rms_norm_backward(grad_y, x, rstd, weight,
+    grad_x, grad_weight = RMS_NORM_BACKWARD(grad_y, x, rstd, weight,
                                                               ctx.eps)
     if grad_sum is not None:
         grad_x = grad_x + grad_sum

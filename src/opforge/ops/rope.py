@@ -457,7 +457,7 @@ def backward(ctx: object, grad: torch.Tensor
     along."""
     cos, sin, x = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    grad_x = torch.ops.opforge.rope_backward(grad, cos, sin, ctx.mode) if needs[0] else None
+    grad_x = ROPE_BACKWARD(grad, cos, sin, ctx.mode) if needs[0] else None
     grad_cos = grad_sin = None
     if x is not None:
         source, _, partner, _, sign = (t.to(x.device) for t in _indices(x.shape[-1],

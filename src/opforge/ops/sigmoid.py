@@ -156,7 +156,7 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor
 def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
     """d sigmoid(x)/dx = y (1 - y), from the saved output y."""
     (y,) = ctx.saved_tensors
-    return torch.ops.opforge.sigmoid_backward(grad, y).to(ctx.input_dtype)
+    return SIGMOID_BACKWARD(grad, y).to(ctx.input_dtype)
 
 
 register_op(SIGMOID)

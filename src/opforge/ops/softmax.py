@@ -673,14 +673,14 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor
 def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     """dx = y * (grad - sum(grad * y)), through `softmax_backward`."""
     (y,) = ctx.saved_tensors
-    return torch.ops.opforge.softmax_backward(grad, y, ctx.dim), None
+    return SOFTMAX_BACKWARD(grad, y, ctx.dim), None
 
 
 @LOG_SOFTMAX.autograd(_setup_context)
 def log_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     """dx = grad - exp(y) * sum(grad), through `log_softmax_backward`."""
     (y,) = ctx.saved_tensors
-    return torch.ops.opforge.log_softmax_backward(grad, y, ctx.dim), None
+    return LOG_SOFTMAX_BACKWARD(grad, y, ctx.dim), None
 
 
 register_op(SOFTMAX_BACKWARD)
