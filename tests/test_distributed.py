@@ -215,6 +215,16 @@ def _stalled_unshard(rank: int, timeout: datetime.timedelta) -> None:
     unshard_sequence(torch.zeros(2, 4), 1, timeout=timeout)
 
 
+def _dead_ring_peer(rank: int, timeout: datetime.timedelta) -> None:
+    """Rank 1 dies after the forward: gloo refuses rank 0's next send at once."""
+    shards = [torch.randn(1, 1, 4, 8).requires_grad_() for _ in range(3)]
+    out = ring_attention(*shards, timeout=timeout)
+    if rank == 1:
+        os._exit(0)
+    time.sleep(1.5)
+    out.sum().backward()
+
+
 def _stalled_gather_barrier(rank: int, timeout: datetime.timedelta) -> None:
     """Rank 1 checks and gathers, then stalls instead of entering the barrier."""
     if rank == 1:
@@ -244,8 +254,9 @@ def _stalled_worker(rank: int, world: int, init_file: str, results: str,
 
 
 @pytest.mark.parametrize("body", [_stalled_ring, _stalled_node_backward, _stalled_unshard,
-                                  _stalled_gather_barrier],
-                         ids=["ring", "node_backward", "unshard", "gather_barrier"])
+                                  _stalled_gather_barrier, _dead_ring_peer],
+                         ids=["ring", "node_backward", "unshard", "gather_barrier",
+                              "dead_peer"])
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(body):
     with tempfile.TemporaryDirectory() as directory:
         results = os.path.join(directory, "results")

@@ -534,6 +534,11 @@ def _damaged(folder, damage: str) -> None:
         _rehash(folder, manifest, save(tensors))
     elif damage == "empty":
         manifest["entries"] = []
+    elif damage == "huge_norm":
+        entries[0]["stats"]["norm"] = 10**400
+    elif damage == "surrogate":
+        entries[0]["module"] = "\udcff"
+        entries[0]["key"] = entry_key(entries[0])
     elif damage == "duplicate":
         entries.append(dict(entries[0]))
     if damage in ("manifest_directory", "tensors_directory"):
@@ -550,7 +555,8 @@ def _damaged(folder, damage: str) -> None:
     ("float8_e4m3fn", "'float8_e4m3fn'"), ("shape", "has shape [7, 32], its entry [8, 32]"),
     ("manifest_directory", "manifest.json: not a file"),
     ("tensors_directory", "tensors.safetensors: not a file"),
-    ("empty", "no entries"), ("duplicate", "appears twice")])
+    ("empty", "no entries"), ("duplicate", "appears twice"),
+    ("huge_norm", "stats need numbers"), ("surrogate", "field 'key' is missing or invalid")])
 def test_malformed_dumps_of_every_kind_exit_2(valid_dumps, tmp_path, capsys, damage, words):
     """The damages that once ended in a traceback and exit 1, or compared as agreement
     (no entries, a key twice)."""
@@ -562,3 +568,20 @@ def test_malformed_dumps_of_every_kind_exit_2(valid_dumps, tmp_path, capsys, dam
     capsys.readouterr()
     assert main(["compare", str(runs[0]), str(runs[1]), "--plot", ""]) == 2
     _assert_one_line_error(capsys, words)
+
+
+def test_names_with_markup_and_unsupported_plot_formats(tmp_path, capsys):
+    """A module named like rich markup is shown as it is (it crashed the table); a plot
+    file of a format matplotlib cannot write is bad input (exit 2), not a divergence."""
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"x[/]": torch.nn.Linear(4, 4)})
+        with dump(model, tmp_path / name, mode="tensor") as d:
+            model["x[/]"](torch.ones(2, 4)).sum().backward()
+            d.step()
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot", ""]) == 0
+    assert "x[/]#0" in capsys.readouterr().out
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot",
+                 str(tmp_path / "out.xyz")]) == 2
+    assert capsys.readouterr().out.splitlines()[-1].startswith("error: --plot")

@@ -187,3 +187,23 @@ def test_strided_caches_are_refused_untouched(kind, backend):
         with pytest.raises(opforge.OpError, match="must be contiguous"):
             _run(op, inputs, case.attrs)
         assert torch.equal(_bytes(view.untyped_storage()), _bytes(before))
+
+
+def test_outs_whose_elements_overlap_are_refused(backend):
+    """An out with strides (1, 1) (no zero stride, yet elements on one address), and one
+    tensor given as two outs, are OpErrors before any kernel: they were filled silently
+    with whichever write came last."""
+    x = torch.randn(3, 3, device=DEVICE)
+    overlapping = torch.empty(5, device=DEVICE).as_strided((3, 3), (1, 1))
+    with pytest.raises(opforge.OpError, match="share memory"):
+        opforge.plan("sigmoid", x).run(x, out=overlapping)
+    plan = opforge.plan("layer_norm", x, None, None, normalized_shape=[3])
+    y, statistic = torch.empty(3, 3, device=DEVICE), torch.empty(3, device=DEVICE)
+    with pytest.raises(opforge.OpError, match="shares memory with out mean"):
+        plan.run(x, None, None, out=(y, statistic, statistic))
+    # Interleaved outs share a span, not an element: accepted.
+    storage = torch.empty(6, device=DEVICE)
+    mean, rstd = storage[0::2], storage[1::2]
+    _, got_mean, got_rstd = plan.run(x, None, None, out=(y, mean, rstd))
+    torch.testing.assert_close(mean, x.mean(-1))
+    assert got_mean is mean and got_rstd is rstd

@@ -60,10 +60,16 @@ def cmd_ops(args: argparse.Namespace) -> int:
 def _error(message: str) -> int:
     """Print ``error: <message>`` on one line (no wrapping, no markup read from the
     message) and return the exit code of bad input, 2."""
+    console.print(f"[red]error:[/] {_shown(message)}", soft_wrap=True)
+    return 2
+
+
+def _shown(text: object) -> str:
+    """``text`` for a rich line: its markup escaped, and bytes no terminal can show (a
+    path's surrogate escapes) as backslash escapes."""
     from rich.markup import escape
 
-    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
-    return 2
+    return escape(str(text).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def _figure(value: object) -> str:
@@ -331,7 +337,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     name, results = min(diverged, key=lambda item: step_number(run_a / item[0])[::-1]) \
         if diverged else compared[0]
     first, growth = first_divergence(results), growth_point(results)
-    table = Table(title=f"opforge compare {run_a} (reference) vs {run_b}: {name}")
+    table = Table(title=f"opforge compare {_shown(run_a)} (reference) vs {_shown(run_b)}: "
+                        f"{name}")
     for column in ("#", "entry", "dtype", "cosine", "max abs", "max rel", "<1‰", "<5‰", ""):
         table.add_column(column)
     window = range(len(results)) if first is None else range(max(0, first - 10),
@@ -340,7 +347,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         r = results[index]
         mark = ("[red]first divergence[/]" if index == first else
                 "[yellow]error starts to grow[/]" if index == growth else "")
-        table.add_row(str(index), r.key, r.dtype, f"{r.cosine:.6f}", f"{r.max_abs:.3g}",
+        table.add_row(str(index), _shown(r.key), r.dtype, f"{r.cosine:.6f}", f"{r.max_abs:.3g}",
                       f"{r.max_rel:.3g}", f"{r.thousandth_ratio:.4f}",
                       f"{r.five_thousandths_ratio:.4f}", mark)
     console.print(table)
@@ -350,16 +357,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             plot.parent.mkdir(parents=True, exist_ok=True)
             plot_errors(results, plot)
-        except OSError as error:  # exit 1 means "diverged": a bad path is bad input
-            return _error(f"--plot {plot}: {error.strerror or error}")
-        console.print(f"plot: {plot}")
+        except (OSError, ValueError) as error:  # exit 1 means "diverged": bad input is 2
+            return _error(f"--plot {plot}: {getattr(error, 'strerror', None) or error}")
+        console.print(f"plot: {_shown(plot)}")
     if first is None:
         console.print(f"no divergence in {len(compared)} step(s): the runs agree within the "
                       "standard of their lower-precision dtype")
         return 0
     console.print(f"[red]diverged[/] at {name}: first divergent module "
-                  f"{results[first].module or '<model>'} ({results[first].key}); error starts "
-                  f"to grow at {results[growth].key if growth is not None else '-'}")
+                  f"{_shown(results[first].module or '<model>')} "
+                  f"({_shown(results[first].key)}); error starts to grow at "
+                  f"{_shown(results[growth].key) if growth is not None else '-'}")
     return 1
 
 

@@ -28,11 +28,14 @@ forever for another.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +89,27 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def _wait(work: object, timeout: datetime.timedelta, what: str) -> None:
+def _lost_peer(what: str, timeout: datetime.timedelta, error: RuntimeError) -> TimeoutError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return TimeoutError(f"{what} did not complete within {timeout} (a peer stalled or "
+                        f"died): {reason}")
+
+
+def _posted(post: Callable[[], Any], timeout: datetime.timedelta, what: str) -> Any:
+    """``post()``, which starts an asynchronous collective or transfer and returns its
+    work; a backend that already knows its peer is gone raises here (gloo's ``isend`` to
+    a closed connection).
+
+    Raises:
+        TimeoutError: the backend refused to start it (its RuntimeError is the cause).
+    """
+    try:
+        return post()
+    except RuntimeError as error:
+        raise _lost_peer(what, timeout, error) from error
+
+
+def _wait(work: Any, timeout: datetime.timedelta, what: str) -> None:
     """Wait for an asynchronous collective, at most ``timeout``.
 
     Raises:
@@ -97,11 +120,15 @@ def _wait(work: object, timeout: datetime.timedelta, what: str) -> None:
     try:
         finished = work.wait(timeout)
     except RuntimeError as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
-        raise TimeoutError(f"{what} did not complete within {timeout} (a peer stalled or "
-                           f"died): {reason}") from error
+        raise _lost_peer(what, timeout, error) from error
     if not finished:
         raise TimeoutError(f"{what} did not complete within {timeout}")
+
+
+def _collective(post: Callable[[], Any], timeout: datetime.timedelta, what: str) -> None:
+    """Start a collective with ``post()`` and wait for it, at most ``timeout`` in all: one
+    `TimeoutError` whether the peer was gone when it started or stopped answering."""
+    _wait(_posted(post, timeout, what), timeout, what)
 
 
 def _padded(shape: torch.Size, dims: int) -> list[int]:
@@ -127,7 +154,8 @@ def _agree(local: OpError | None, spec: list[int], device: torch.device,
     flagged = [1, *[0] * len(spec)] if local is not None else [0, *spec]  # same length
     both = torch.tensor([*flagged, *(-value for value in flagged)], dtype=torch.int64,
                         device=device)
-    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout,
+    _collective(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group,
+                                        async_op=True), timeout,
           f"the ranks' check of {what}")
     if local is not None:
         raise local
@@ -181,7 +209,8 @@ class _Unshard(torch.autograd.Function):
                 ) -> torch.Tensor:
         ctx.dim, ctx.mode, ctx.group, ctx.timeout = dim, mode, group, timeout
         gathered = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        _wait(dist.all_gather(gathered, shard.contiguous(), group=group, async_op=True),
+        _collective(lambda: dist.all_gather(gathered, shard.contiguous(), group=group,
+                                            async_op=True),
               timeout, "the all-gather of the shards")
         return _reorder(gathered, dim, mode)
 
@@ -190,7 +219,7 @@ class _Unshard(torch.autograd.Function):
         # Every rank's loss may use the whole tensor: its shard's gradient is the sum of
         # all ranks' gradients for that shard.
         total = grad.contiguous().clone()
-        _wait(dist.all_reduce(total, group=ctx.group, async_op=True), ctx.timeout,
+        _collective(lambda: dist.all_reduce(total, group=ctx.group, async_op=True), ctx.timeout,
               "the all-reduce of the gradients")
         return shard_sequence(total, ctx.dim, ctx.mode, ctx.group), None, None, None, None
 
@@ -293,8 +322,13 @@ class Ring:
                     for t in tensors]
         works = []
         for out, into in zip(tensors, received):
-            works.append(dist.isend(out.contiguous(), self.next, group=self.group))
-            works.append(dist.irecv(into, self.previous, group=self.group))
+            dense = out.contiguous()
+            works.append(_posted(functools.partial(dist.isend, dense, self.next,
+                                                   group=self.group),
+                                 self.timeout, "ring transfer"))
+            works.append(_posted(functools.partial(dist.irecv, into, self.previous,
+                                                   group=self.group),
+                                 self.timeout, "ring transfer"))
         return received, works
 
     def finish(self, works: list[object]) -> None:
@@ -555,14 +589,15 @@ class _Broadcast(torch.autograd.Function):
                 timeout: datetime.timedelta) -> torch.Tensor:
         ctx.source, ctx.group, ctx.timeout = source, group, timeout
         out = x.detach().clone().contiguous()
-        _wait(dist.broadcast(out, source, group=group, async_op=True), timeout,
+        _collective(lambda: dist.broadcast(out, source, group=group, async_op=True), timeout,
               "the broadcast of a node block")
         return out
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         total = grad.contiguous().clone()
-        _wait(dist.reduce(total, ctx.source, group=ctx.group, async_op=True), ctx.timeout,
+        _collective(lambda: dist.reduce(total, ctx.source, group=ctx.group, async_op=True),
+                    ctx.timeout,
               "the reduce of a node block's gradient")
         if dist.get_rank() != ctx.source:
             total = torch.zeros_like(total)
@@ -645,7 +680,8 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rank, world = _group_info(group)
     # The shards were compared across the ranks above: gathered without a second check.
     keys, values = (_Unshard.apply(t, 2, layout, group, timeout) for t in (k, v))
-    _wait(dist.barrier(group=group, async_op=True), timeout, "the barrier after the gather")
+    _collective(lambda: dist.barrier(group=group, async_op=True), timeout,
+                "the barrier after the gather")
     if not causal:
         return attention(q, keys, values, False, scale)
     chunk = q.shape[2] // len(_pieces(rank, world, layout))

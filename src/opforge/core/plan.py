@@ -237,12 +237,17 @@ class Plan:
         for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
             name = self.op.outputs[index].name
             _check_against(tensor, spec, self.op.name, name)
-            if any(size > 1 and stride == 0
-                   for size, stride in zip(tensor.shape, tensor.stride())):
-                raise OpError("has elements that share memory (an expanded view)",
-                              op=self.op.name, param=name,
+            if not _distinct_elements(tensor) and _repeated_offsets(tensor):
+                raise OpError("has elements that share memory (an expanded or overlapping "
+                              "view)", op=self.op.name, param=name,
                               expected="an out whose elements are distinct",
                               got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+            for other, earlier in zip(given[:index], self.op.outputs):
+                if _share_elements(tensor, other):
+                    raise OpError(f"shares memory with out {earlier.name}", op=self.op.name,
+                                  param=name, expected="outs of their own memory",
+                                  got=f"storage offsets {tensor.storage_offset()} and "
+                                      f"{other.storage_offset()} of one storage")
         # Kernels write contiguous outputs, or any layout whose elements are distinct where
         # the operator says its launchers honour strides; else a strided `out` is filled
         # through a copy.
@@ -453,6 +458,30 @@ def _distinct_elements(tensor: torch.Tensor) -> bool:
             return False
         span = stride * size
     return True
+
+
+def _offsets(tensor: torch.Tensor) -> torch.Tensor:
+    """The byte address of every element (a layout `_distinct_elements` cannot vouch
+    for: rare, and small enough to list)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.reshape(-1) * tensor.element_size() + tensor.data_ptr()
+
+
+def _repeated_offsets(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` lie at one address."""
+    return bool(tensor.numel()) and torch.unique(_offsets(tensor)).numel() < tensor.numel()
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have an element at one address (their spans first)."""
+    if not a.numel() or not b.numel():
+        return False
+    (start_a, end_a), (start_b, end_b) = _span(a), _span(b)
+    if start_a >= end_b or start_b >= end_a:
+        return False
+    return bool(torch.isin(_offsets(a), _offsets(b)).any())
 
 
 def _check_dense(tensor: torch.Tensor, op: str, name: str) -> None:

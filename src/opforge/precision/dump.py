@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,6 +260,7 @@ COMPARED_DTYPES = {str(d).removeprefix("torch."): d for d in THRESHOLDS["run_com
 _STAT_NUMBERS = ("min", "max", "mean", "norm")
 _STAT_FLAGS = ("nan", "inf")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_LARGEST = sys.float_info.max
 
 
 def _count(value: Any) -> bool:
@@ -267,7 +269,22 @@ def _count(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A JSON number a float holds (an integer beyond float's range is not one)."""
+    if isinstance(value, float):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _LARGEST
+
+
+def _text(value: Any) -> bool:
+    """A JSON string that can be printed: UTF-8 encodable (JSON admits lone surrogates,
+    ``"\\udcff"``, which no terminal can show)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def entry_key(entry: dict[str, Any]) -> str:
@@ -279,8 +296,7 @@ def _entry_problem(entry: Any) -> str | None:
     """What makes ``entry`` unusable for `compare_steps`, or ``None``."""
     if not isinstance(entry, dict):
         return "is not an object"
-    checks = {"key": isinstance(entry.get("key"), str),
-              "module": isinstance(entry.get("module"), str),
+    checks = {"key": _text(entry.get("key")), "module": _text(entry.get("module")),
               "call": _count(entry.get("call")), "index": _count(entry.get("index")),
               "phase": entry.get("phase") in PHASES, "io": entry.get("io") in IOS,
               "shape": isinstance(entry.get("shape"), list)
@@ -324,13 +340,13 @@ def _check_manifest(manifest: Any, path: Path) -> None:
         problem = _entry_problem(entry)
         if problem is not None:
             key = entry.get("key") if isinstance(entry, dict) else None
-            fail(f"entry {number}{f' ({key})' if isinstance(key, str) else ''} {problem}")
+            fail(f"entry {number}{f' ({key})' if _text(key) else ''} {problem}")
         if entry["key"] in seen:
             fail(f"entry {number}: key {entry['key']} appears twice")
         seen.add(entry["key"])
     info = manifest.get("tensors")
     if manifest["mode"] == "tensor" and not (
-            isinstance(info, dict) and isinstance(info.get("file"), str)
+            isinstance(info, dict) and _text(info.get("file"))
             and info["file"] not in ("", ".", "..") and not re.search(r"[/\\\0]", info["file"])
             and _count(info.get("bytes")) and isinstance(info.get("sha256"), str)
             and _SHA256.fullmatch(info["sha256"])):
