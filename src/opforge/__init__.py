@@ -54,6 +54,19 @@ from opforge.profiler import profile
 
 __version__ = "0.1.0"
 
+# Subpackages a user reaches as attributes after ``import opforge``, as ``torch.nn`` after
+# ``import torch``; imported on first use (``opforge.distributed`` imports
+# torch.distributed's collectives).
+_LAZY_MODULES = ("compat", "distributed", "moe", "nn", "precision", "profiler")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f"opforge.{name}")
+    raise AttributeError(f"module 'opforge' has no attribute {name!r}")
+
 __all__ = [
     "AttrError",
     "DeviceError",

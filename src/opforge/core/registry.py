@@ -51,6 +51,9 @@ def get_op(name: str) -> OpDef:
     Raises:
         OpError: no such operator; the message lists the known names.
     """
+    found = _registry.get(name)  # registered: no module scan (torch.compile traces this)
+    if found is not None:
+        return found
     _load_all()
     try:
         return _registry[name]

@@ -1,0 +1,124 @@
+"""The call path: an eager call runs its held plan without the dispatcher, and every call
+that needs what lives there (a mode, a transform, a subclass, tracing, autocast) still goes
+through ``torch.ops.opforge``; settings changes reach the plan cache; a first call may be a
+compiled one; subpackages are attributes of ``import opforge``."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import opforge
+from opforge.core.hardware import get_profile
+
+from .conftest import DEVICE
+
+
+class Recorder(TorchDispatchMode):
+    """The operators a block dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatched(call) -> list[str]:
+    with Recorder() as recorder:
+        call()
+    return [name for name in recorder.seen if name.startswith("opforge.")]
+
+
+def test_a_dispatch_mode_sees_the_operator(backend):
+    """A mode lives in the dispatcher: the eager entry must not run the plan past it."""
+    x = torch.randn(4, 8, device=DEVICE)
+    assert _dispatched(lambda: opforge.softmax(x)) == ["opforge.softmax.default"]
+    weight = torch.randn(8, device=DEVICE, requires_grad=True)
+    assert _dispatched(lambda: opforge.rms_norm(x, weight)) == ["opforge.rms_norm.default"]
+
+
+def test_eager_calls_equal_dispatched_calls_forward_and_backward(backend):
+    x = torch.randn(6, 33, device=DEVICE, requires_grad=True)
+    weight = torch.randn(33, device=DEVICE, requires_grad=True)
+    upstream = torch.randn(6, 33, device=DEVICE)
+    eager = opforge.rms_norm(x, weight)
+    eager_grads = torch.autograd.grad(eager, (x, weight), upstream)
+    dispatched = torch.ops.opforge.rms_norm(x, weight, 1e-6)[0]
+    dispatched_grads = torch.autograd.grad(dispatched, (x, weight), upstream)
+    assert torch.equal(eager, dispatched)
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, dispatched_grads))
+
+
+def test_statistics_saved_for_backward_never_require_grad(backend):
+    from opforge.compat.torch_npu import npu_rms_norm
+
+    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
+    _, rstd = npu_rms_norm(x, torch.ones(16, device=DEVICE))
+    assert not rstd.requires_grad
+
+
+def test_a_parameter_takes_the_eager_entry_and_gets_its_gradient(backend):
+    weight = torch.nn.Parameter(torch.randn(16, device=DEVICE))
+    x = torch.randn(3, 16, device=DEVICE)
+    hits = opforge.cache_stats().plan_hits
+    for _ in range(2):
+        opforge.rms_norm(x, weight).sum().backward()
+    assert opforge.cache_stats().plan_hits > hits
+    plain = weight.detach().requires_grad_()
+    expected = torch.autograd.grad(torch.nn.functional.rms_norm(x, (16,), plain, 1e-6).sum(),
+                                   plain)
+    torch.testing.assert_close(weight.grad / 2, expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_profiles_of_one_name_plan_apart():
+    """The settings key holds a use_hardware profile's contents, not only its name: two
+    profiles named "cpu" with other core counts get their own grids."""
+    x = torch.randn(1 << 20, device=DEVICE)
+    cpu = get_profile("cpu")
+    grids = []
+    for cores in (1, 64):
+        with opforge.use_hardware(dataclasses.replace(cpu, core_count=cores)):
+            grids.append(opforge.plan("sigmoid", x).grid)
+    assert grids[0] != grids[1]
+
+
+def test_bad_attribute_types_are_typed_errors_on_every_path():
+    x = torch.randn(4, 8, device=DEVICE)
+    for call in (lambda: opforge.softmax(x, 1.5), lambda: opforge.gelu(x, None)):
+        with pytest.raises(opforge.AttrError):
+            call()
+        with Recorder(), pytest.raises(opforge.AttrError):
+            call()
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env={"TRITON_INTERPRET": "1",
+                                            **{k: v for k, v in __import__("os").environ.items()
+                                               if k != "TRITON_INTERPRET"}})
+
+
+def test_subpackages_are_attributes_of_the_package():
+    done = _fresh_python("import opforge\n"
+                         "print(opforge.nn.LayerNorm, opforge.moe.MoEGate.__name__, "
+                         "opforge.distributed.ring_attention.__name__)")
+    assert done.returncode == 0, done.stderr
+    assert "ring_attention" in done.stdout
+
+
+def test_the_first_call_of_a_process_may_be_a_compiled_one():
+    done = _fresh_python(
+        "import torch, opforge\n"
+        "f = torch.compile(lambda t: opforge.softmax(t, -1) * 2, fullgraph=True)\n"
+        "x = torch.randn(4, 8)\n"
+        "assert torch.allclose(f(x), torch.softmax(x, -1) * 2)\n"
+        "print('ok')")
+    assert done.returncode == 0, done.stderr[-3000:]
