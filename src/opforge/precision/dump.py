@@ -287,6 +287,12 @@ def _text(value: Any) -> bool:
     return True
 
 
+def _brief(value: Any) -> str:
+    """A value of a manifest for an error message, at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def entry_key(entry: dict[str, Any]) -> str:
     """The key an entry's fields give it: ``<module>#<call>.<phase>.<io>.<index>``."""
     return f"{entry['module']}#{entry['call']}.{entry['phase']}.{entry['io']}.{entry['index']}"
@@ -309,12 +315,14 @@ def _entry_problem(entry: Any) -> str | None:
         return (f"dtype {entry.get('dtype')!r} is not one a comparison has a standard for "
                 f"({', '.join(COMPARED_DTYPES)})")
     if wrong is not None:
-        return f"field {wrong!r} is missing or invalid: {entry.get(wrong)!r}"
+        return f"field {wrong!r} is missing or invalid: {_brief(entry.get(wrong))}"
     stats = entry["stats"]
-    if not all(_number(stats.get(name)) for name in _STAT_NUMBERS) or not all(
-            _count(stats.get(name)) and stats[name] <= 1 for name in _STAT_FLAGS):
-        return (f"stats need numbers {', '.join(_STAT_NUMBERS)} and 0/1 flags "
-                f"{', '.join(_STAT_FLAGS)}: {stats!r}")
+    wrong = next((name for name in _STAT_NUMBERS if not _number(stats.get(name))), None) or \
+        next((name for name in _STAT_FLAGS
+              if not (_count(stats.get(name)) and stats[name] <= 1)), None)
+    if wrong is not None:
+        return (f"stats need numbers {', '.join(_STAT_NUMBERS)} (within float's range) and "
+                f"0/1 flags {', '.join(_STAT_FLAGS)}: {wrong} is {_brief(stats.get(wrong))}")
     if entry["key"] != entry_key(entry):
         return f"key {entry['key']!r} is not its fields' {entry_key(entry)!r}"
     return None
