@@ -1,65 +1,78 @@
-"""Host cost of one opforge call on the Triton path, layer by layer, beside torch eager.
+"""Host cost of one opforge call, for every operator, beside its floor and its peers.
 
 Tiny shapes, so that the device finishes each kernel long before the host issues the next
 one: the time per call is the host's. On the CPU the Triton backend runs with kernel
-launches stubbed out (``JITFunction.run`` counts and returns), so the figures are opforge's
-own host path: dispatcher registration, plan lookup, argument checks, output allocation
-and each launcher's argument preparation, without Triton's launcher. On a GPU the
-launches are real and each repeat ends with a synchronisation.
+launches stubbed out (the kernel's ``run`` counts and returns), so the figures are
+opforge's own host path and the floor's, without Triton's launcher; on a GPU the launches
+are real and each repeat ends with a synchronisation. Rows, per operator:
 
-Layers, from the outside in:
+* ``torch eager``       the operator's torch peer (on the CPU it also computes)
+* ``floor``             a bare ``torch.autograd.Function`` around the operator's launcher
+                        with a held plan: allocate the outputs, launch (Liger-Kernel's
+                        pattern, the least a PyTorch-facing kernel call costs)
+* ``functional``        the operator as ``opforge.<op>`` calls it (`OpDef.__call__`)
+* ``dispatched``        ``torch.ops.opforge.<op>``: the dispatcher's path (compiled graphs,
+                        modes, subclasses)
+* ``direct launch``     the launcher alone on held inputs, outputs and workspace
+* ``run(out=)``         a held plan's ``run`` into held outputs
+* ``floor fwd+bwd``, ``fwd+bwd``, ``torch eager fwd+bwd``: ``torch.autograd.grad`` through
+  the floor (its backward replays the backward launches opforge makes), opforge, torch
+* ``compiled torch``, ``compiled opforge``: ``torch.compile(fullgraph=True)`` of a function
+  making the one call (opforge's operator, or its torch peer)
 
-* ``functional``   ``opforge.<op>(...)``: ``torch.ops.opforge.<op>`` through the dispatcher
-* ``plan+run``     ``opforge.plan(op, ...).run(...)``: a plan-cache hit, then the run
-* ``run(out=)``    a held plan's ``run`` into held outputs: no lookup, no allocation
-* ``fwd+bwd``      ``torch.autograd.grad`` of the functional's output: both operators and
-                   the autograd plumbing
+The ratios the targets name (functional / floor, fwd+bwd / floor fwd+bwd, run(out=) /
+direct launch, compiled opforge / compiled torch) are printed in a second table.
 
 Usage::
 
-    python benchmarks/host_overhead.py [--device cpu|cuda] [--calls 2000] [--repeats 7]
+    python benchmarks/host_overhead.py [--device cpu|cuda] [--ops softmax,gelu]
+        [--calls 1000] [--repeats 7] [--no-compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
-from torch.nn import functional
 
 import opforge
-from gpu_bench import mla_torch
 from opforge.core import backends
+from opforge.core.opdef import Case, OpDef
+from opforge.core.plan import Plan
 from opforge.ops.mla_prolog import mla_inputs
 from opforge.profiler.results import environment, write_results
 
 
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[list[int]]:
-    """Triton backend on CPU tensors with every kernel launch replaced by a counter."""
-    from triton.runtime.jit import JITFunction
+    """The Triton backend on CPU tensors with every kernel launch replaced by a counter."""
+    from opforge.ops.softmax import _softmax_rows_kernel
 
+    kernel_type = type(_softmax_rows_kernel)  # JITFunction, or the interpreter's
     count = [0]
 
     def launch(self: Any, *args: Any, **kwargs: Any) -> None:
         count[0] += 1
 
-    with mock.patch.object(JITFunction, "run", launch), \
+    with mock.patch.object(kernel_type, "run", launch), \
             mock.patch.object(backends, "_triton_refusal", lambda device: None), \
             backends.use_backend("triton"):
+        opforge.clear_caches()  # plans hold the backend they were made for
         yield count
+    opforge.clear_caches()
 
 
 def per_call_us(call: Callable[[], Any], calls: int, repeats: int,
                 device: torch.device) -> float:
-    """Median over ``repeats`` of the wall time of ``calls`` calls, per call, in µs."""
+    """The least over ``repeats`` of the wall time of ``calls`` calls, per call, in µs: a
+    host path's cost is its fastest repeat (a slower one met another process or the
+    garbage collector)."""
     for _ in range(max(10, calls // 10)):
         call()
     samples = []
@@ -72,117 +85,250 @@ def per_call_us(call: Callable[[], Any], calls: int, repeats: int,
         if device.type == "cuda":
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    return min(samples)
 
 
-def cases(device: torch.device) -> list[dict[str, Any]]:
-    """Each case: opforge's functional, the operator name and inputs for plan, torch's
-    eager counterpart, and which inputs get gradients in fwd+bwd (empty: forward only)."""
+# The calls of the speed targets, on shapes of a decode step or a small row block;
+# every other operator runs its smallest verification sample.
+def curated(device: torch.device) -> dict[str, Case]:
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator).to(device)
 
     x, weight, bias = randn(8, 256), randn(256), randn(256)
-    a, b = randn(16, 64), randn(64, 64)
     q, k, v = randn(1, 2, 16, 32), randn(1, 2, 16, 32), randn(1, 2, 16, 32)
-    mla = mla_inputs(16, torch.float32, device, generator)
-    return [
-        {"op": "softmax", "inputs": (x,), "attrs": {"dim": -1},
-         "ours": lambda t: opforge.softmax(t), "torch": lambda t: torch.softmax(t, -1),
-         "grad": (0,)},
-        {"op": "rms_norm", "inputs": (x, weight), "attrs": {"eps": 1e-6},
-         "ours": lambda t, w: opforge.rms_norm(t, w, 1e-6),
-         "torch": lambda t, w: functional.rms_norm(t, t.shape[-1:], w, 1e-6), "grad": (0, 1)},
-        {"op": "layer_norm", "inputs": (x, weight, bias), "attrs": {"eps": 1e-5},
-         "ours": lambda t, w, c: opforge.layer_norm(t, 256, w, c, 1e-5),
-         "torch": lambda t, w, c: functional.layer_norm(t, (256,), w, c, 1e-5),
-         "grad": (0, 1, 2)},
-        {"op": "gelu", "inputs": (x,), "attrs": {}, "ours": lambda t: opforge.gelu(t),
-         "torch": lambda t: functional.gelu(t), "grad": (0,)},
-        {"op": "broadcast_add", "inputs": (x, bias), "attrs": {},
-         "ours": lambda t, c: opforge.broadcast_add(t, c),
-         "torch": lambda t, c: torch.add(t, c), "grad": (0, 1)},
-        {"op": "matmul", "inputs": (a, b), "attrs": {},
-         "ours": lambda s, t: opforge.matmul(s, t), "torch": lambda s, t: s @ t,
-         "grad": (0, 1)},
-        {"op": "attention", "inputs": (q, k, v), "attrs": {"causal": True},
-         "ours": lambda s, t, u: opforge.attention(s, t, u, causal=True),
-         "torch": lambda s, t, u: functional.scaled_dot_product_attention(
-             s, t, u, is_causal=True), "grad": (0, 1, 2)},
-        {"op": "mla_prolog", "inputs": mla, "attrs": {},
-         "ours": lambda *t: opforge.mla_prolog(*t), "torch": mla_torch, "grad": ()},
-    ]
+    return {
+        "softmax": Case("8x256", (x,), {"dim": -1}),
+        "log_softmax": Case("8x256", (x,), {"dim": -1}),
+        "rms_norm": Case("8x256", (x, weight), {"eps": 1e-6}),
+        "layer_norm": Case("8x256", (x, weight, bias), {"normalized_shape": [256]}),
+        "gelu": Case("8x256", (x,), {}),
+        "sigmoid": Case("8x256", (x,), {}),
+        "broadcast_add": Case("8x256+256", (x, bias), {}),
+        "matmul": Case("16x64@64x64", (randn(16, 64), randn(64, 64)), {}),
+        "attention": Case("b1h2s16d32", (q, k, v), {"causal": True}),
+        "mla_prolog": Case("t16", mla_inputs(16, torch.float32, device, generator), {}),
+        "moe_gating_top_k": Case("t1e256", (randn(1, 256), None),
+                                 {"k": 8, "k_group": 4, "group_count": 8,
+                                  "norm_type": 1}),
+    }
+
+
+def case_of(opdef: OpDef, device: torch.device) -> Case:
+    chosen = curated(device).get(opdef.name)
+    if chosen is not None:
+        return chosen
+    samples = opdef.samples(torch.float32, device, torch.Generator().manual_seed(0))
+    sized = [c for c in samples if all(t is None or t.numel() for t in c.inputs)]
+    return min(sized, key=lambda c: sum(t.numel() for t in c.inputs if t is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor: the operator's own launches in a bare autograd.Function
+
+
+Launch = tuple[OpDef, Plan, tuple[Any, ...], list[torch.Tensor], Any]
+
+
+@contextlib.contextmanager
+def recorded_launches(phases: dict[str, list[Launch]], phase: list[str]) -> Iterator[None]:
+    """Record the outermost launcher call of every operator (a composite's steps run
+    inside its own) into ``phases[phase[0]]``."""
+    depth = [0]
+    originals = {op: dict(op.launchers) for op in opforge.list_ops()}
+
+    def recording(op: OpDef, launcher: Callable[..., None]) -> Callable[..., None]:
+        def run(plan: Plan, inputs: Sequence[Any], outputs: Sequence[torch.Tensor],
+                workspace: Any) -> None:
+            if depth[0] == 0:
+                phases.setdefault(phase[0], []).append(
+                    (op, plan, tuple(inputs), list(outputs), workspace))
+            depth[0] += 1
+            try:
+                launcher(plan, inputs, outputs, workspace)
+            finally:
+                depth[0] -= 1
+        return run
+
+    for op, launchers in originals.items():
+        for name, launcher in launchers.items():
+            op.launchers[name] = recording(op, launcher)
+    opforge.clear_caches()
+    try:
+        yield
+    finally:
+        for op, launchers in originals.items():
+            op.launchers.update(launchers)
+        opforge.clear_caches()
+
+
+def _replay(launches: Sequence[Launch]) -> list[torch.Tensor]:
+    """Each launch into fresh outputs, as a hand-written launcher would allocate them."""
+    made: list[torch.Tensor] = []
+    for op, plan, inputs, outputs, workspace in launches:
+        fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outputs]
+        op.launchers[plan.backend](plan, inputs, fresh, workspace)
+        made += fresh
+    return made
+
+
+def floor_function(forward: Sequence[Launch], backward: Sequence[Launch]
+                   ) -> type[torch.autograd.Function]:
+    """A bare ``autograd.Function`` making the recorded launches: the floor."""
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *inputs: torch.Tensor) -> Any:
+            ctx.shapes = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else None
+                          for t in inputs]
+            made = _replay(forward)
+            return made[0] if len(made) == 1 else tuple(made)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            made = _replay(backward)
+            result = []
+            for spec, need in zip(ctx.shapes, ctx.needs_input_grad):
+                match = next((t for t in made if spec is not None and need
+                              and (t.shape, t.dtype) == spec), None)
+                if match is not None:
+                    made.remove(match)
+                result.append(match)
+            return tuple(result)
+
+    return Floor
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
 
 
 def _first(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
-def measure(case: dict[str, Any], device: torch.device, calls: int, repeats: int,
-            launches: list[int]) -> list[dict[str, Any]]:
-    """The rows of one case: each layer of opforge and torch eager, forward, then fwd+bwd."""
-    inputs, ours, theirs = case["inputs"], case["ours"], case["torch"]
-    held = opforge.plan(case["op"], *inputs, **case["attrs"])
-    outs = held.run(*inputs)
+def _compiled(function: Callable[..., Any], inputs: Sequence[Any], fullgraph: bool
+              ) -> Callable[[], Any] | str:
+    try:
+        compiled = torch.compile(function, fullgraph=fullgraph, dynamic=False)
+        compiled(*inputs)
+        return lambda: compiled(*inputs)
+    except Exception as error:  # a peer torch.compile cannot trace: reported, not timed
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+
+
+def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
+            compile_calls: bool) -> list[dict[str, Any]]:
+    case = case_of(opdef, device)
+    attrs = opdef.bind_attrs(case.attrs)
+    args = (*case.inputs, *attrs.values())
+    held = opforge.plan(opdef, *case.inputs, **case.attrs)
+    outs = held.run(*case.inputs)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    launches[0] = 0
-    ours(*inputs)
-    per_call = launches[0]
-    layers = [("functional", lambda: ours(*inputs)),
-              ("plan+run", lambda: opforge.plan(case["op"], *inputs,
-                                                **case["attrs"]).run(*inputs)),
-              ("run(out=)", lambda: held.run(*inputs, out=outs)),
-              ("torch eager", lambda: theirs(*inputs))]
-    if case["grad"]:
-        leaves = [t.detach().requires_grad_(i in case["grad"]) for i, t in enumerate(inputs)]
-        wanted = [leaves[i] for i in case["grad"]]
-        upstream = torch.ones_like(_first(ours(*inputs)))
-        for name, function in (("fwd+bwd", ours), ("torch eager fwd+bwd", theirs)):
+    workspace = torch.empty(held.workspace_bytes, dtype=torch.uint8, device=device) \
+        if held.workspace_bytes else None
+    peer = opdef.precision.peer
+    differentiable = opdef.backward_fn is not None
+    leaves = [t.detach().requires_grad_(differentiable and t.is_floating_point())
+              if isinstance(t, torch.Tensor) else t for t in case.inputs]
+    wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    phases: dict[str, list[Launch]] = {}
+    phase = ["forward"]
+    with recorded_launches(phases, phase):
+        result = _first(opdef(*leaves, *attrs.values()))
+        upstream = torch.ones_like(result)
+        if wanted:
+            phase[0] = "backward"
+            torch.autograd.grad(result, wanted, upstream)
+    floor = floor_function(phases.get("forward", []), phases.get("backward", []))
+    layers: list[tuple[str, Callable[[], Any] | str]] = [
+        ("torch eager", lambda: peer(*case.inputs, **attrs)),
+        ("floor", lambda: floor.apply(*case.inputs)),
+        ("functional", lambda: opdef(*args)),
+        ("dispatched", lambda: opdef.torch_op(*args)),
+        ("direct launch", lambda: opdef.launchers[held.backend](held, case.inputs, outs,
+                                                                 workspace)),
+        ("run(out=)", lambda: held.run(*case.inputs, out=outs, workspace=workspace)),
+    ]
+    if wanted:
+        for name, function in (("floor fwd+bwd", floor.apply),
+                               ("fwd+bwd", lambda *t: opdef(*t, *attrs.values())),
+                               ("torch eager fwd+bwd", lambda *t: peer(*t, **attrs))):
             def step(function: Callable[..., Any] = function) -> Any:
-                return torch.autograd.grad(_first(function(*leaves)), wanted, upstream)
+                return torch.autograd.grad(_first(function(*leaves)), wanted, upstream,
+                                           allow_unused=True)
             layers.append((name, step))
+    if compile_calls:
+        tensors = [t for t in case.inputs]
+        layers.append(("compiled torch", _compiled(
+            lambda *t: peer(*t, **attrs), tensors, fullgraph=False)))
+        layers.append(("compiled opforge", _compiled(
+            lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
     rows = []
     for layer, call in layers:
-        us = per_call_us(call, calls, repeats, device)
-        ours = layer in ("functional", "plan+run", "run(out=)")
-        rows.append({"op": case["op"], "layer": layer, "us_per_call": round(us, 2),
-                     "launches": per_call if ours and device.type == "cpu" else ""})
+        us = per_call_us(call, calls, repeats, device) if callable(call) else None
+        rows.append({"op": opdef.name, "case": case.name, "layer": layer,
+                     "us_per_call": "" if us is None else round(us, 2),
+                     "note": "" if callable(call) else call})
+        print(f"{opdef.name:26s} {layer:22s} "
+              f"{'-' if us is None else f'{us:8.2f}'} {rows[-1]['note']}", flush=True)
     return rows
+
+
+TARGETS = (("functional", "floor", 1.3), ("fwd+bwd", "floor fwd+bwd", 1.3),
+           ("run(out=)", "direct launch", 1.1), ("compiled opforge", "compiled torch", 1.5))
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The target ratios per operator, as Markdown rows."""
+    by_op: dict[str, dict[str, float]] = {}
+    for row in rows:
+        if row["us_per_call"] != "":
+            by_op.setdefault(row["op"], {})[row["layer"]] = row["us_per_call"]
+    lines = ["| op | " + " | ".join(f"{a} / {b} (target ≤ {t})" for a, b, t in TARGETS)
+             + " |", "|---|" + "---:|" * len(TARGETS)]
+    for op, layers in by_op.items():
+        cells = [f"{layers[a] / layers[b]:.2f}" if a in layers and b in layers else "-"
+                 for a, b, _ in TARGETS]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per repeat")
+    parser.add_argument("--calls", type=int, default=1000, help="calls per repeat")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ops", default="", help="comma-separated subset")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the torch.compile rows (each compiles two functions)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     device = torch.device(args.device)
+    wanted = [name for name in args.ops.split(",") if name]
+    ops = [op for op in opforge.list_ops() if not wanted or op.name in wanted]
     context = stubbed_launches() if device.type == "cpu" else contextlib.nullcontext([0])
     rows = []
-    with context as launches:
-        for case in cases(device):
-            if args.ops and case["op"] not in args.ops.split(","):
-                continue
-            measured = measure(case, device, args.calls, args.repeats, launches)
-            for row in measured:
-                print(f"{row['op']:14s} {row['layer']:20s} {row['us_per_call']:8.2f}")
-            rows += measured
+    with context:
+        for opdef in ops:
+            rows += measure(opdef, device, args.calls, args.repeats, not args.no_compile)
     env = environment(device)
     how = ("Triton kernel launches stubbed (counted, not run): opforge's own host path"
            if device.type == "cpu" else "real kernel launches, synchronised per repeat")
     lines = ["# Host cost of an opforge call", "",
-             f"{env['date']} · {env['device']} · torch {env['torch']} · {how}; "
-             f"{args.calls} calls per repeat, median of {args.repeats} repeats.", "",
-             "| op | layer | µs per call | Triton launches |", "|---|---|---:|---:|"]
-    lines += [f"| {r['op']} | {r['layer']} | {r['us_per_call']} | {r['launches'] or '-'} |"
-              for r in rows]
+             f"{env['date']} · {env['device']} · torch {env['torch']} · triton "
+             f"{env.get('triton', '-')} · {how}; {args.calls} calls per repeat, the least "
+             f"of {args.repeats} repeats.", "", "## Targets", "", *ratios(rows), "",
+             "## Every row (µs per call)", "",
+             "| op | case | layer | µs per call | note |", "|---|---|---|---:|---|"]
+    lines += [f"| {r['op']} | {r['case']} | {r['layer']} | {r['us_per_call'] or '-'} | "
+              f"{r['note']} |" for r in rows]
     if device.type == "cpu":
-        lines += ["", "torch eager rows run their kernels on this CPU: on tiny shapes that is "
-                  "mostly host time too, except mla_prolog's (matmuls of a 64-wide model)."]
+        lines += ["", "torch rows run their kernels on this CPU (eager and compiled): on "
+                  "tiny shapes that is mostly host time too."]
     text = "\n".join(lines) + "\n"
+    print("\n".join(ratios(rows)))
     csv_path, md_path = write_results(args.out, "host_overhead",
                                       [{**env, **row} for row in rows], text)
     print(f"wrote {csv_path} and {md_path}")

@@ -61,6 +61,17 @@ def setenv(monkeypatch):
 
 
 @pytest.fixture
+def fresh_plans(monkeypatch):
+    """Plans made for the test alone: a plan holds its tiling, launcher and launches, so a
+    test that patches what they come from drops the caches before and (after the patches
+    are undone) after it."""
+    opforge.clear_caches()
+    yield
+    monkeypatch.undo()
+    opforge.clear_caches()
+
+
+@pytest.fixture
 def replace_launcher(monkeypatch):
     """``replace_launcher(op, backend, launcher)`` for the test: a plan holds the launcher
     it was built with, so the plan caches are dropped when one is replaced and again when

@@ -485,7 +485,7 @@ def test_a_nan_key_spreads_over_exactly_the_rows_that_see_it(backend):
 
 @pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64_offsets"])
 def test_descriptor_tilings_fall_back_to_pointers_for_int64_offsets(monkeypatch, launches,
-                                                                    wide):
+                                                                    fresh_plans, wide):
     """A flash_tma tiling reads by tensor descriptor (the interpreter has them), except
     when offsets need int64 (tensors past 2^31 elements): descriptor coordinates are
     int32, so forward and backward then take the pointer kernel. Results are right

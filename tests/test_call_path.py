@@ -122,3 +122,23 @@ def test_the_first_call_of_a_process_may_be_a_compiled_one():
         "assert torch.allclose(f(x), torch.softmax(x, -1) * 2)\n"
         "print('ok')")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# An operator that updates its inputs runs its launcher on every call: none held.
+@pytest.mark.parametrize("name", [op.name for op in opforge.list_ops() if not op.mutated_inputs])
+def test_held_launches_take_each_call_s_own_tensors(name, fresh_plans):
+    """A plan replays the launches it recorded for a layout with the new call's tensors:
+    a plan made and run on one draw, then run on another draw of the same layout, equals
+    a fresh plan's run on that draw."""
+    op = opforge.get_op(name)
+    first, second = (op.samples(torch.float32, DEVICE, torch.Generator().manual_seed(seed))[0]
+                     for seed in (0, 1))
+    with opforge.use_backend("triton"):
+        held = opforge.plan(op, *first.inputs, **first.attrs)
+        held.run(*first.inputs)
+        replayed = held.run(*second.inputs)
+        opforge.clear_caches()
+        fresh = opforge.plan(op, *second.inputs, **second.attrs).run(*second.inputs)
+    for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (replayed, fresh)),
+                    strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name

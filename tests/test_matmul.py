@@ -89,7 +89,7 @@ def test_gradcheck_in_float64():
     assert torch.autograd.gradcheck(opforge.matmul, (a, b))
 
 
-def test_tf32_only_on_request(monkeypatch):
+def test_tf32_only_on_request(monkeypatch, fresh_plans):
     """float32 products are IEEE by default; allow_tf32 asks for tf32 (which only a GPU's
     compiled kernel honours)."""
     from opforge.ops import matmul as module

@@ -52,7 +52,7 @@ def test_samples_match_the_golden(op, dtype, backend):
             *case.inputs))
 
 
-def test_int64_row_offsets_give_the_same_routing(monkeypatch, launches):
+def test_int64_row_offsets_give_the_same_routing(monkeypatch, launches, fresh_plans):
     """Rows x experts past int32 switch the kernel to int64 row offsets; forced on the
     samples (launch argument checked), the results still match the golden."""
     from opforge.ops import moe_gating

@@ -28,7 +28,7 @@ from torch.autograd import forward_ad
 from opforge.core import registry
 from opforge.core.errors import OpError, UnsupportedError
 from opforge.core.opdef import Attr, AutocastPolicy, OpDef
-from opforge.core.plan import Plan, plan, plan_for_call, validate
+from opforge.core.plan import Plan, plan_for_call, validate
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 # Dispatch keys after which nothing but the device kernel runs (npu is PrivateUse1).
@@ -210,9 +210,10 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     def full(args: tuple[Any, ...]) -> tuple[Any, ...]:
         return args if len(args) == arity else (*args, *defaults[len(args) - arity:])
 
+    count = len(opdef.inputs)
+
     def implementation(*args: Any) -> Any:
-        tensors, attrs = _split(opdef, full(args))
-        return plan(opdef, *tensors, **attrs).run_planned(tensors)
+        return plan_for_call(opdef, args).run_planned(args[:count])
 
     def fake(*args: Any) -> Any:
         tensors, attrs = _split(opdef, full(args))

@@ -390,6 +390,10 @@ class OpDef:
         check_values(plan, inputs): checks that need the inputs' data (index ranges), run
             by `Plan.run` before anything is launched, on every backend, also when the
             outputs are empty; raises `OpError` subclasses.
+        held_launches: a plan records the kernel launches its launcher makes per layout
+            and replays them (`opforge.core.launches`); ``False`` for an operator whose
+            launcher already caches its own arguments per layout (the elementwise one,
+            whose 2.1 µs is less than a replay's 3.0).
         inplace_out: each program reads the input elements it writes over before it writes
             them, so ``Plan.run(out=)`` may hand the launchers an ``out`` that is an input
             itself (the same elements, ``out=x``: elementwise and row operators); any
@@ -421,6 +425,7 @@ class OpDef:
     bench: BenchSpec | None = None
     strided_out: bool = False
     inplace_out: bool = False
+    held_launches: bool = True
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

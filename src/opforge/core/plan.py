@@ -30,6 +30,7 @@ from opforge.core.errors import (
     UnsupportedError,
 )
 from opforge.core.hardware import HardwareProfile, hardware_setting, profile_for
+from opforge.core.launches import HeldLaunches
 from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
 from opforge.core.workspace import WorkspacePool
 
@@ -163,14 +164,16 @@ class Plan:
         self._steps: dict[str, Plan] = {}  # a composite operator's steps, see run_step
         # What `run_planned` does per call, decided once: the launch function, the
         # outputs' allocation arguments, and whether nothing else runs around them.
+        self._direct = not self._mutated and op.check_values is None
         if backend == "torch" and "torch" not in op.launchers:
             self._launcher = run_reference
         else:
             self._launcher = op.launchers[backend]
+            if self._direct and backend != "torch" and op.held_launches:
+                self._launcher = HeldLaunches(self._launcher)
             if backends.interpreter_enabled():
                 self._launcher = _locked(self._launcher)
         self._allocations = tuple((spec.shape, spec.dtype, spec.device) for spec in self.outputs)
-        self._direct = not self._mutated and op.check_values is None
 
     def __repr__(self) -> str:
         ins = ", ".join("None" if s is None else str(s) for s in self.inputs)
@@ -201,18 +204,16 @@ class Plan:
             raise OpError("run was given more tensors than the plan has inputs",
                           op=self.op.name, param="inputs", expected=len(self.inputs),
                           got=len(tensors))
-        bound: list[torch.Tensor | None] = []
-        for index, spec in enumerate(self.inputs):
-            tensor = tensors[index] if index < len(tensors) else None
-            name = self.op.inputs[index].name
+        bound = [*tensors, *[None] * (len(self.inputs) - len(tensors))]
+        for index, (spec, tensor) in enumerate(zip(self.inputs, bound)):
             if spec is None or tensor is None:
                 if spec is not tensor:
                     raise ShapeError("presence differs from the plan's", op=self.op.name,
-                                     param=name, expected="None" if spec is None else spec,
+                                     param=self.op.inputs[index].name,
+                                     expected="None" if spec is None else spec,
                                      got="None" if tensor is None else TensorSpec.of(tensor))
             else:
-                _check_against(tensor, spec, self.op.name, name)
-            bound.append(tensor)
+                _check_against(tensor, spec, self.op.name, self.op.inputs[index].name)
         return bound
 
     def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None,
@@ -234,28 +235,30 @@ class Plan:
         if len(given) != len(self.outputs):
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
-        for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
-            name = self.op.outputs[index].name
-            _check_against(tensor, spec, self.op.name, name)
-            if not _distinct_elements(tensor) and _repeated_offsets(tensor):
-                raise OpError("has elements that share memory (an expanded or overlapping "
-                              "view)", op=self.op.name, param=name,
-                              expected="an out whose elements are distinct",
-                              got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
-            for other, earlier in zip(given[:index], self.op.outputs):
-                if _share_elements(tensor, other):
-                    raise OpError(f"shares memory with out {earlier.name}", op=self.op.name,
-                                  param=name, expected="outs of their own memory",
-                                  got=f"storage offsets {tensor.storage_offset()} and "
-                                      f"{other.storage_offset()} of one storage")
         # Kernels write contiguous outputs, or any layout whose elements are distinct where
         # the operator says its launchers honour strides; else a strided `out` is filled
-        # through a copy.
-        strided = self.op.strided_out
+        # through a copy. An out overlapping an input goes through a fresh buffer too.
         spans = [_span(t) for t in inputs if t is not None and t.numel()]
-        targets = [t if (t.is_contiguous() or (strided and _distinct_elements(t)))
-                   and not (spans and self._overlaps_an_input(t, spans, inputs))
-                   else allocate(s) for t, s in zip(given, self.outputs)]
+        names = self.op.outputs
+        targets = []
+        for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
+            _check_against(tensor, spec, self.op.name, names[index].name)
+            contiguous = tensor.is_contiguous()  # distinct elements by construction
+            distinct = contiguous or _distinct_elements(tensor)
+            if not distinct and _repeated_offsets(tensor):
+                raise OpError("has elements that share memory (an expanded or overlapping "
+                              "view)", op=self.op.name, param=names[index].name,
+                              expected="an out whose elements are distinct",
+                              got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+            for other, earlier in zip(given[:index], names):
+                if _share_elements(tensor, other):
+                    raise OpError(f"shares memory with out {earlier.name}", op=self.op.name,
+                                  param=names[index].name, expected="outs of their own memory",
+                                  got=f"storage offsets {tensor.storage_offset()} and "
+                                      f"{other.storage_offset()} of one storage")
+            direct = (contiguous or (self.op.strided_out and distinct)) and not (
+                spans and tensor.numel() and self._overlaps_an_input(tensor, spans, inputs))
+            targets.append(tensor if direct else allocate(spec))
         return targets, given
 
     def _overlaps_an_input(self, out: torch.Tensor, spans: Sequence[tuple[int, int]],
@@ -263,8 +266,6 @@ class Plan:
         """Whether ``out``'s memory range meets one of the input ``spans``, other than as
         the very same elements of an in-place operator's input (checked on the rare
         overlap only: this runs on every ``run(out=)``)."""
-        if not out.numel():
-            return False
         start, end = _span(out)
         if not any(start < input_end and input_start < end for input_start, input_end in spans):
             return False
@@ -345,7 +346,8 @@ class Plan:
         if self.op.check_values is not None:
             self.op.check_values(self, inputs)
         targets, results = self._outputs(out, inputs)
-        scratch = self._workspace(workspace, [*inputs, *targets])
+        scratch = (self._workspace(workspace, [*inputs, *targets]) if self.workspace_bytes
+                   else None)
         if not self._empty:
             self._launch(inputs, targets, scratch)
         for target, result in zip(targets, results):
@@ -498,6 +500,14 @@ def _check_dense(tensor: torch.Tensor, op: str, name: str) -> None:
 
 
 def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
+    """Raises the typed error for a tensor that is not of ``spec`` (a plan's input or
+    output): not a tensor, not dense, another dtype, shape or device."""
+    try:  # the common case in one expression (a dtype is a singleton)
+        if tensor.dtype is spec.dtype and tensor.shape == spec.shape and \
+                tensor.layout is torch.strided and tensor.device == spec.device:
+            return
+    except AttributeError:
+        pass
     if not isinstance(tensor, torch.Tensor):
         raise DtypeError("is not a tensor", op=op, param=name, expected="torch.Tensor",
                          got=type(tensor).__name__)

@@ -182,7 +182,7 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
         samples=samples,
         precision=precision,
         bench=bench,
-        inplace_out=True,
+        inplace_out=True, held_launches=False,
         **extra,
     )
 

@@ -1,0 +1,201 @@
+"""Held launches: the kernel launches a launcher makes for one plan, recorded once per
+layout of its tensors and replayed.
+
+A launcher turns a plan and its tensors into kernel launches: views, strides, int64-offset
+switches, grid, constexprs and launch options. For a given plan all of that depends only
+on the tensors' strides and pointer alignment, so it is worked out once: the first call of
+each layout runs the launcher with the kernels' ``run`` replaced by a recorder and torch's
+operators watched by a dispatch mode. When the launcher did nothing but launch (views
+aside), each recorded launch is kept with its tensor arguments mapped back to the call's
+inputs, outputs and workspace; later calls of that layout make the launches straight away.
+A launcher that ran any other operator (an allocation, a copy, a sort) keeps running as it
+is for that layout. On the CPU, with the launches stubbed, the softmax launcher costs 4.8 µs
+and its replay about 1.5 µs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Layouts recorded per plan; a plan that sees more runs its launcher for the rest.
+MAX_LAYOUTS = 16
+# Argument types a replay can hold as they are.
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype)
+_recording = threading.Lock()
+_recorder = threading.local()  # .active: this thread is inside a recording pass
+_MISSING = object()
+
+
+class _Effects(TorchDispatchMode):
+    """Records whether any operator other than a view ran inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.effects: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if not func.is_view:
+            self.effects.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _kernel_classes() -> list[type]:
+    """The classes whose ``run`` a kernel launch goes through (compiled and interpreted)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover - no triton, no Triton launcher
+        return []
+    classes: list[type] = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover - a Triton without an interpreter
+        pass
+    return classes
+
+
+def _recorded(launcher: Callable[..., None], args: Sequence[Any]
+              ) -> tuple[list[tuple[Any, tuple[Any, ...], dict[str, Any]]], list[str]]:
+    """Run ``launcher(*args)`` with the kernels' launches recorded instead of made, and
+    the non-view operators it ran."""
+    launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    thread = threading.get_ident()
+    with _recording:
+        originals = [(cls, cls.__dict__["run"]) for cls in _kernel_classes()]
+
+        def recorder(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(kernel: Any, *kernel_args: Any, **kwargs: Any) -> Any:
+                if threading.get_ident() != thread:  # another thread's launch: made
+                    return original(kernel, *kernel_args, **kwargs)
+                launches.append((kernel, kernel_args, kwargs))
+                return None
+            return run
+
+        for cls, original in originals:
+            cls.run = recorder(original)
+        _recorder.active = True
+        try:
+            with _Effects() as watched:
+                launcher(*args)
+        finally:
+            _recorder.active = False
+            for cls, original in originals:
+                cls.run = original
+    return launches, watched.effects
+
+
+class _Launch:
+    """One recorded kernel launch: its constant arguments, and where each tensor argument
+    comes from (a slot of the call: an input, an output or the workspace, or a view of one
+    at a byte offset in another dtype)."""
+
+    __slots__ = ("arguments", "kernel", "keywords", "tensors")
+
+    def __init__(self, kernel: Any, arguments: list[Any], keywords: dict[str, Any],
+                 tensors: list[tuple[int, int, Callable[[torch.Tensor], torch.Tensor] | None]]
+                 ) -> None:
+        self.kernel, self.arguments, self.keywords = kernel, arguments, keywords
+        self.tensors = tensors
+
+    def run(self, slots: Sequence[torch.Tensor | None]) -> None:
+        arguments = self.arguments.copy()
+        for position, slot, view in self.tensors:
+            tensor = slots[slot]
+            arguments[position] = tensor if view is None else view(tensor)
+        self.kernel.run(*arguments, **self.keywords)
+
+
+def _byte_view(offset: int, nbytes: int, dtype: torch.dtype
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def view(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype)
+    return view
+
+
+def _source(argument: torch.Tensor, slots: Sequence[torch.Tensor | None]
+            ) -> tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None:
+    """Which slot a kernel's tensor argument is (a kernel reads only its address and
+    dtype), or a contiguous view into: ``None`` for a tensor of its own (a temporary)."""
+    address = argument.data_ptr()
+    for index, slot in enumerate(slots):
+        if slot is None:
+            continue
+        if slot.data_ptr() == address and slot.dtype == argument.dtype:
+            return index, None
+    for index, slot in enumerate(slots):
+        if slot is None or not slot.is_contiguous() or not argument.is_contiguous():
+            continue
+        offset = address - slot.data_ptr()
+        nbytes = argument.numel() * argument.element_size()
+        if offset >= 0 and offset + nbytes <= slot.numel() * slot.element_size():
+            return index, _byte_view(offset, nbytes, argument.dtype)
+    return None
+
+
+def _held(launches: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any]]],
+          slots: Sequence[torch.Tensor | None]) -> list[_Launch] | None:
+    held = []
+    for kernel, arguments, keywords in launches:
+        if not all(isinstance(v, _CONSTANT_TYPES) or (isinstance(v, tuple) and all(
+                isinstance(item, int) for item in v)) for v in keywords.values()):
+            return None  # a grid or option the replay cannot hold as it is
+        constants: list[Any] = []
+        tensors = []
+        for position, argument in enumerate(arguments):
+            if isinstance(argument, torch.Tensor):
+                source = _source(argument, slots)
+                if source is None:
+                    return None
+                tensors.append((position, *source))
+                constants.append(None)
+            elif isinstance(argument, _CONSTANT_TYPES):
+                constants.append(argument)
+            else:
+                return None  # a tensor descriptor, or another object holding tensors
+        held.append(_Launch(kernel, constants, dict(keywords), tensors))
+    return held
+
+
+class HeldLaunches:
+    """A plan's launcher with its launches held per layout (see the module docstring).
+
+    Args:
+        launcher: ``launcher(plan, inputs, outputs, workspace)``, which writes every
+            output from the inputs without reading host state other than the plan's
+            (a launcher that reads data on the host runs an operator, and is not held).
+    """
+
+    __slots__ = ("launcher", "layouts")
+
+    def __init__(self, launcher: Callable[..., None]) -> None:
+        self.launcher = launcher
+        self.layouts: dict[tuple[Any, ...], list[_Launch] | None] = {}
+
+    def __call__(self, plan: Any, inputs: Sequence[torch.Tensor | None],
+                 outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+        if getattr(_recorder, "active", False):
+            # A composite's step inside another plan's recording pass: its launches are
+            # that pass's to record (its outputs were allocated: not replayable there).
+            self.launcher(plan, inputs, outputs, workspace)
+            return
+        slots = (*inputs, *outputs, workspace)
+        key = (*[None if t is None else (t.stride(), t.data_ptr() % 16) for t in slots],)
+        held = self.layouts.get(key, _MISSING)
+        if held is _MISSING:
+            if len(self.layouts) >= MAX_LAYOUTS:
+                self.launcher(plan, inputs, outputs, workspace)
+                return
+            launches, effects = _recorded(self.launcher, (plan, inputs, outputs, workspace))
+            held = None if effects else _held(launches, slots)
+            self.layouts[key] = held
+        if held is None:
+            self.launcher(plan, inputs, outputs, workspace)
+            return
+        for launch in held:
+            launch.run(slots)
