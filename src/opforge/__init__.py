@@ -8,6 +8,7 @@
 Set ``TRITON_INTERPRET=1`` before importing opforge to run the Triton kernels on the CPU.
 """
 
+from opforge.core import registry as _registry
 from opforge.core.autotune import autotuning, set_autotune, tuning_records
 from opforge.core.backends import device_side_checks, use_backend
 from opforge.core.errors import (
@@ -53,6 +54,10 @@ from opforge.functional import (
 from opforge.profiler import profile
 
 __version__ = "0.1.0"
+
+# The functionals an operator module exports itself (`OpDef.exported`).
+_exported = _registry.functionals()
+globals().update(_exported)
 
 # Subpackages a user reaches as attributes after ``import opforge``, as ``torch.nn`` after
 # ``import torch``; imported on first use (``opforge.distributed`` imports
@@ -114,4 +119,5 @@ __all__ = [
     "use_backend",
     "use_hardware",
     "workspace_stats",
+    *sorted(_exported),
 ]

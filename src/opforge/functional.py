@@ -23,7 +23,16 @@ import opforge.ops.rms_norm
 import opforge.ops.rope
 import opforge.ops.sigmoid
 import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
+from opforge.core.registry import functionals
 from opforge.library import call
+
+
+def __getattr__(name: str) -> object:
+    # The functionals operator modules export themselves (`OpDef.exported`).
+    found = functionals().get(name)
+    if found is None:
+        raise AttributeError(f"module 'opforge.functional' has no attribute {name!r}")
+    return found
 
 
 def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

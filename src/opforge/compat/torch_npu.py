@@ -17,6 +17,7 @@ import opforge.ops.rms_norm  # noqa: F401 - registers the operators
 from opforge.core.errors import UnsupportedError
 from opforge.functional import mla_prolog, moe_gating_top_k, moe_gating_top_k_softmax
 from opforge.library import call
+from opforge.ops.swiglu import SWIGLU
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
@@ -28,6 +29,17 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     """
     y, rstd = call("rms_norm", x, gamma, epsilon)
     return y, rstd.unsqueeze(-1)
+
+
+def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch_npu.npu_swiglu``: ``silu(a) * b`` of the halves ``a, b`` of ``input`` along
+    ``dim``; differentiable (torch_npu's SwiGluGrad is `opforge.ops.swiglu`'s backward).
+
+    Raises:
+        ShapeError: an odd size along ``dim``. AttrError: ``dim`` out of range.
+        DtypeError: not a float dtype.
+    """
+    return SWIGLU(input, dim)
 
 
 def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,

@@ -260,6 +260,8 @@ class KnownLimitation:
     one (or a tuple of them) over the standard's reasons (``"eb ratio*"``): the limitation
     covers a case only when every reason it failed for matches one of them. A covered case
     that misses its standard is reported as ``known`` with ``reason``, never silently.
+    ``interpreter``: the limitation is one of Triton's interpreter (its arithmetic is
+    numpy's), so it covers nothing where the kernels are compiled for a device.
     """
 
     reason: str
@@ -267,9 +269,15 @@ class KnownLimitation:
     backend: str = "*"
     dtype: str = "*"
     failures: str | tuple[str, ...] = "*"
+    interpreter: bool = False
 
     def matches(self, case: str, backend: str, dtype: str,
                 failures: Sequence[str] = ()) -> bool:
+        if self.interpreter:
+            from opforge.core.backends import interpreter_enabled
+
+            if not interpreter_enabled():
+                return False
         return (fnmatch.fnmatchcase(case, self.case)
                 and fnmatch.fnmatchcase(backend, self.backend)
                 and fnmatch.fnmatchcase(dtype, self.dtype)
@@ -433,6 +441,7 @@ class OpDef:
     backward_fn: Callable[..., Any] | None = None
     torch_op: Any = None
     call: Callable[..., Any] | None = None  # the fast entry, set by `register_op`
+    functional: Callable[..., Any] | None = None  # ``opforge.<name>``, see `exported`
     attr_names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -471,6 +480,13 @@ class OpDef:
             self.decliners[backend] = fn
             return fn
         return attach
+
+    def exported(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Make ``fn`` the operator's functional: after ``import opforge`` it is
+        ``opforge.<fn.__name__>`` and ``opforge.functional.<fn.__name__>``, with nothing
+        else to edit (`opforge.core.registry.functionals`)."""
+        self.functional = fn
+        return fn
 
     def autograd(self, setup_context: Callable[..., None]) -> Callable[[Callable[..., Any]],
                                                                        Callable[..., Any]]:

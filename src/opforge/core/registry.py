@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from opforge.core.errors import OpError
 from opforge.core.opdef import OpDef
@@ -60,3 +62,9 @@ def get_op(name: str) -> OpDef:
     except KeyError:
         raise OpError("unknown operator", param="op", expected=", ".join(sorted(_registry)),
                       got=repr(name)) from None
+
+
+def functionals() -> dict[str, Callable[..., Any]]:
+    """Every exported functional (`OpDef.exported`) by its name."""
+    return {op.functional.__name__: op.functional for op in list_ops()
+            if op.functional is not None}
