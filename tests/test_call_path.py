@@ -142,3 +142,60 @@ def test_held_launches_take_each_call_s_own_tensors(name, fresh_plans):
     for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (replayed, fresh)),
                     strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+
+
+def test_a_layout_first_seen_aliased_is_not_held_for_calls_without_the_alias(backend):
+    """matmul(a, a) first, then matmul(a, b) of the same layout: a replay recorded from the
+    aliased call would map both operands to a; out=x then out=y likewise."""
+    a, b = torch.randn(8, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    opforge.clear_caches()
+    opforge.matmul(a, a)
+    torch.testing.assert_close(opforge.matmul(a, b), a @ b, rtol=1e-5, atol=1e-5)
+    x, y = torch.randn(4, 16, device=DEVICE), torch.empty(4, 16, device=DEVICE)
+    plan = opforge.plan("softmax", x, dim=-1)
+    plan.run(x.clone(), out=x.clone())  # the same tensor as input and out: not held
+    inputs = x.clone()
+    plan.run(inputs, out=x)
+    plan.run(inputs, out=y)
+    torch.testing.assert_close(y, torch.softmax(inputs, -1))
+
+
+def test_the_eager_entry_bumps_the_version_of_updated_inputs(backend):
+    """A cache saved for a backward and then updated by mla_prolog is autograd's usual
+    error on both paths, never a gradient of the overwritten values."""
+    op = opforge.get_op("mla_prolog")
+    case = op.samples(torch.float32, DEVICE, torch.Generator().manual_seed(0))[0]
+    for entry in (op, opforge.get_op("mla_prolog").torch_op):
+        inputs = [t.clone() for t in case.inputs]
+        weight = torch.ones(inputs[10].shape, device=DEVICE, requires_grad=True)
+        saved = (inputs[10] * weight).sum()
+        entry(*inputs)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.backward()
+
+
+@pytest.mark.parametrize("args, words", [
+    ((torch.randn(4, 8), -1, 5), "at most 2 argument"),
+    ((torch.randn(4, 8),), "missing value for argument 'weight'"),
+], ids=["one_too_many", "a_tensor_missing"])
+def test_calls_the_schema_refuses_are_refused_on_the_eager_entry(args, words):
+    op = opforge.get_op("softmax" if len(args) == 3 else "rms_norm")
+    with pytest.raises(RuntimeError, match=words):
+        op(*args)
+
+
+def test_meta_tensors_traces_and_negative_views_take_the_dispatcher():
+    """What the eager entry cannot run itself: meta tensors (the fake implementation gives
+    their outputs), torch.jit.trace (the trace records the operator), a negative view (the
+    dispatcher materialises it before the kernel reads memory)."""
+    meta = torch.empty(4, 8, device="meta")
+    assert opforge.softmax(meta).device.type == "meta"
+    assert opforge.matmul(meta, torch.empty(8, 3, device="meta")).shape == (4, 3)
+    x = torch.randn(4, 8)
+    traced = torch.jit.trace(lambda t: opforge.softmax(t), (x,), check_trace=False)
+    assert "opforge::softmax" in [node.kind() for node in traced.graph.nodes()]
+    other = torch.randn(4, 8)
+    torch.testing.assert_close(traced(other), torch.softmax(other, -1))
+    negative = torch._neg_view(x)
+    with opforge.use_backend("triton"):
+        torch.testing.assert_close(opforge.softmax(negative), torch.softmax(-x, -1))

@@ -249,8 +249,10 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
 # of ints is always validated: its elements are what matters.
 _GIVEN_TYPES = {"bool": (bool,), "int": (int,), "float": (float, int), "str": (str,),
                 "ints": (int,)}
-# Tensors an eager call runs its plan on directly (an nn.Parameter is a plain tensor).
+# Tensors an eager call runs its plan on directly (an nn.Parameter is a plain tensor), on
+# devices with kernels (meta tensors go to the fake implementation).
 PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+EAGER_DEVICES = frozenset(("cpu", "cuda", "xpu", "npu"))
 
 
 def _dispatched_features() -> Callable[[], bool]:
@@ -282,8 +284,9 @@ def _entry(opdef: OpDef, op: Any, function: type[torch.autograd.Function],
     """`OpDef.__call__`: the operator called with the torch operator's arguments.
 
     An eager call of plain strided tensors with nothing active that lives in the dispatcher
-    (no torch.compile tracing, no mode, subclass, transform, forward-mode AD, profiler, nor
-    an autocast region for an operator with an autocast rule) runs its plan directly:
+    (no torch.compile or torch.jit tracing, no mode, subclass, negative view, meta device,
+    transform, forward-mode AD, profiler, nor an autocast region for an operator with an
+    autocast rule) runs its plan directly:
     `plan_for_call`, then `Plan.run_planned`, or the operator's ``autograd.Function`` when
     an input needs a gradient. The dispatcher round trip it skips (torch.ops, the Autograd
     kernel, the implementation's argument split, the plan's keyword key) cost about 12 µs
@@ -292,9 +295,11 @@ def _entry(opdef: OpDef, op: Any, function: type[torch.autograd.Function],
     a bool silently), its schema errors raised as `plan`'s typed errors.
     """
     count = len(opdef.inputs)
+    arity = count + len(opdef.attrs)
     types = tuple(frozenset(_GIVEN_TYPES[attr.kind]) | (
         {type(None)} if attr.default is None else set()) for attr in opdef.attrs)
     autocast = opdef.autocast is not AutocastPolicy.KEEP
+    mutated = opdef.mutated_inputs
 
     def dispatched(args: tuple[Any, ...]) -> Any:
         for attr, allowed, value in zip(opdef.attrs, types, args[count:]):
@@ -310,20 +315,26 @@ def _entry(opdef: OpDef, op: Any, function: type[torch.autograd.Function],
             raise
 
     def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
+        # Every tensor given, no argument too many: the schema reports the others.
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() \
+                or not count <= len(args) <= arity:
             return dispatched(args)
         tensors = args[:count]
         device = None
         for tensor in tensors:
             if tensor is not None:
-                if type(tensor) not in PLAIN_TENSORS or tensor.layout is not torch.strided:
+                # A negative view is materialised by the dispatcher's fallback only.
+                if type(tensor) not in PLAIN_TENSORS or tensor.layout is not torch.strided \
+                        or tensor.is_neg():
                     return dispatched(args)
                 device = tensor.device
-        if device is None or _features_active() or torch.overrides.has_torch_function(
-                [t for t in tensors if t is not None]) or (
-                    autocast and torch.is_autocast_enabled(device.type)):
+        if device is None or device.type not in EAGER_DEVICES or _features_active() \
+                or torch.overrides.has_torch_function([t for t in tensors if t is not None]) \
+                or (autocast and torch.is_autocast_enabled(device.type)):
             return dispatched(args)
         planned = plan_for_call(opdef, args)
+        for index in mutated:  # autograd must see the update (the ADInplaceOrView kernel's)
+            torch.autograd.graph.increment_version(tensors[index])
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in tensors):
             return function.apply(planned, *full(args))

@@ -188,7 +188,11 @@ class HeldLaunches:
         key = (*[None if t is None else (t.stride(), t.data_ptr() % 16) for t in slots],)
         held = self.layouts.get(key, _MISSING)
         if held is _MISSING:
-            if len(self.layouts) >= MAX_LAYOUTS:
+            present = [t.data_ptr() for t in slots if t is not None]
+            if len(self.layouts) >= MAX_LAYOUTS or len(set(present)) < len(present):
+                # Slots that share an address (an out that is an input, one tensor given
+                # twice) cannot tell which slot a launch argument came from: not held,
+                # and the layout waits for a call without them.
                 self.launcher(plan, inputs, outputs, workspace)
                 return
             launches, effects = _recorded(self.launcher, (plan, inputs, outputs, workspace))

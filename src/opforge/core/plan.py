@@ -471,18 +471,30 @@ def _offsets(tensor: torch.Tensor) -> torch.Tensor:
     return offsets.reshape(-1) * tensor.element_size() + tensor.data_ptr()
 
 
+# Elements whose addresses `_repeated_offsets` lists (8 bytes each) before it gives up.
+MAX_LISTED_ELEMENTS = 1 << 24
+
+
 def _repeated_offsets(tensor: torch.Tensor) -> bool:
-    """Whether two elements of ``tensor`` lie at one address."""
+    """Whether two elements of ``tensor`` lie at one address, or may (a layout too large
+    to list whose elements no sufficient test shows distinct)."""
+    if any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())):
+        return True  # expanded
+    if tensor.numel() > MAX_LISTED_ELEMENTS:
+        return True
     return bool(tensor.numel()) and torch.unique(_offsets(tensor)).numel() < tensor.numel()
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` have an element at one address (their spans first)."""
+    """Whether ``a`` and ``b`` have an element at one address, or may (spans that meet,
+    too large to list)."""
     if not a.numel() or not b.numel():
         return False
     (start_a, end_a), (start_b, end_b) = _span(a), _span(b)
     if start_a >= end_b or start_b >= end_a:
         return False
+    if max(a.numel(), b.numel()) > MAX_LISTED_ELEMENTS:
+        return True
     return bool(torch.isin(_offsets(a), _offsets(b)).any())
 
 

@@ -17,21 +17,24 @@ import threading
 from typing import Any
 
 VARIABLES = ("OPFORGE_BACKEND", "OPFORGE_HARDWARE")
-_environment: dict[str, str] = {}
+# The reading in force (None: read on first use); replaced whole, never mutated, so a
+# thread reading it never sees half a reading.
+_environment: list[dict[str, str] | None] = [None]
 _generation = [0]  # bumped by reload_environment: every thread's key is stale then
 _local = threading.local()
 
 
 def environment(name: str) -> str:
     """The value of one of `VARIABLES` as first read ("" when unset)."""
-    if not _environment:
-        _environment.update({v: os.environ.get(v, "") for v in VARIABLES})
-    return _environment[name]
+    reading = _environment[0]
+    if reading is None:
+        reading = _environment[0] = {v: os.environ.get(v, "") for v in VARIABLES}
+    return reading[name]
 
 
 def reload_environment() -> None:
     """Read ``OPFORGE_BACKEND`` and ``OPFORGE_HARDWARE`` again, for every thread."""
-    _environment.clear()
+    _environment[0] = None
     _generation[0] += 1
 
 
