@@ -249,10 +249,9 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
 # of ints is always validated: its elements are what matters.
 _GIVEN_TYPES = {"bool": (bool,), "int": (int,), "float": (float, int), "str": (str,),
                 "ints": (int,)}
-# Tensors an eager call runs its plan on directly (an nn.Parameter is a plain tensor), on
-# devices with kernels (meta tensors go to the fake implementation).
+# Tensors an eager call runs its plan on directly (an nn.Parameter is a plain tensor; meta
+# tensors go to the fake implementation).
 PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
-EAGER_DEVICES = frozenset(("cpu", "cuda", "xpu", "npu"))
 
 
 def _dispatched_features() -> Callable[[], bool]:
@@ -325,12 +324,13 @@ def _entry(opdef: OpDef, op: Any, function: type[torch.autograd.Function],
             if tensor is not None:
                 # A negative view is materialised by the dispatcher's fallback only.
                 if type(tensor) not in PLAIN_TENSORS or tensor.layout is not torch.strided \
-                        or tensor.is_neg():
+                        or tensor.is_neg() or tensor.is_meta:
                     return dispatched(args)
                 device = tensor.device
-        if device is None or device.type not in EAGER_DEVICES or _features_active() \
+        if device is None or _features_active() \
                 or torch.overrides.has_torch_function([t for t in tensors if t is not None]) \
-                or (autocast and torch.is_autocast_enabled(device.type)):
+                or (autocast and device.type in AUTOCAST_DEVICES  # where its rule lives
+                    and torch.is_autocast_enabled(device.type)):
             return dispatched(args)
         planned = plan_for_call(opdef, args)
         for index in mutated:  # autograd must see the update (the ADInplaceOrView kernel's)
