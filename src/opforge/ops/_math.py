@@ -12,11 +12,29 @@ GPU's ``cvt.rn`` everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
-    triton = None
+    triton = tl = None
+
+
+def jit(function: Callable) -> Callable:
+    """``triton.jit``, or the function as it is where Triton is not installed: the torch
+    backend never calls a kernel, so an operator module needs no import guard."""
+    return function if triton is None else triton.jit(function)
+
+
+@jit
+def sigmoid_pair(z):
+    """(sigmoid(z), sigmoid(-z)) without overflow: exp is only taken of -|z|."""
+    e = tl.exp(-tl.abs(z))
+    r = 1.0 / (1.0 + e)
+    positive = z >= 0
+    return tl.where(positive, r, e * r), tl.where(positive, e * r, r)
+
 
 if triton is not None:
     # Triton reads module globals only as constexprs.
@@ -76,14 +94,6 @@ if triton is not None:
             return widen(rounded_for(x, like_ptr))
         else:
             return x.to(like_ptr.dtype.element_ty)
-
-    @triton.jit
-    def sigmoid_pair(z):
-        """(sigmoid(z), sigmoid(-z)) without overflow: exp is only taken of -|z|."""
-        e = tl.exp(-tl.abs(z))
-        r = 1.0 / (1.0 + e)
-        positive = z >= 0
-        return tl.where(positive, r, e * r), tl.where(positive, e * r, r)
 
     @triton.jit
     def exp_neg_half_square(x, shift):

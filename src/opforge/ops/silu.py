@@ -9,37 +9,31 @@ from __future__ import annotations
 import torch
 
 from opforge.ops._elementwise import INTERPRETER_EXP_BIAS, pointwise, stable_sigmoid
+from opforge.ops._math import jit, sigmoid_pair, tl
 
-try:
-    import triton
-    import triton.language as tl
 
-    from opforge.ops._math import sigmoid_pair
-except ImportError:  # pragma: no cover
-    triton = None
+@jit
+def silu_of(x):
+    # One division, as torch's x / (1 + exp(-x)): x * sigmoid(x) rounds twice, which left
+    # a bias (error balance) 2-3x torch's on normal draws.
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, x, x * e) / (1.0 + e)
 
-silu_of = silu_slope = _value = _gradient = None
-if triton is not None:
 
-    @triton.jit
-    def silu_of(x):
-        # One division, as torch's x / (1 + exp(-x)): x * sigmoid(x) rounds twice, which
-        # left a bias (error balance) 2-3x torch's on normal draws.
-        e = tl.exp(-tl.abs(x))
-        return tl.where(x >= 0, x, x * e) / (1.0 + e)
+@jit
+def silu_slope(x):
+    s, t = sigmoid_pair(x)  # t = 1 - s, without the cancellation
+    return s * (1.0 + x * t)
 
-    @triton.jit
-    def silu_slope(x):
-        s, t = sigmoid_pair(x)  # t = 1 - s, without the cancellation
-        return s * (1.0 + x * t)
 
-    @triton.jit
-    def _value(x, unused, scalar):
-        return silu_of(x)
+@jit
+def _value(x, unused, scalar):
+    return silu_of(x)
 
-    @triton.jit
-    def _gradient(grad, x, scalar):
-        return grad * silu_slope(x)
+
+@jit
+def _gradient(grad, x, scalar):
+    return grad * silu_slope(x)
 
 
 def silu_reference(x: torch.Tensor) -> torch.Tensor:
