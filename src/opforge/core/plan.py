@@ -226,12 +226,13 @@ class Plan:
         if out is None:
             fresh = [allocate(spec) for spec in self.outputs]
             return fresh, fresh
-        given = [out] if isinstance(out, torch.Tensor) else list(
-            out if isinstance(out, (list, tuple)) else [out])
-        if not all(isinstance(tensor, torch.Tensor) for tensor in given):
-            raise OpError("out must be a tensor or a sequence of tensors", op=self.op.name,
-                          param="out", expected="torch.Tensor",
-                          got=", ".join(type(t).__name__ for t in given))
+        given = [out] if isinstance(out, torch.Tensor) else (
+            list(out) if isinstance(out, (list, tuple)) else [out])
+        for tensor in given:
+            if not isinstance(tensor, torch.Tensor):
+                raise OpError("out must be a tensor or a sequence of tensors",
+                              op=self.op.name, param="out", expected="torch.Tensor",
+                              got=", ".join(type(t).__name__ for t in given))
         if len(given) != len(self.outputs):
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
@@ -265,14 +266,24 @@ class Plan:
                            inputs: Sequence[torch.Tensor | None]) -> bool:
         """Whether ``out``'s memory range meets one of the input ``spans``, other than as
         the very same elements of an in-place operator's input (checked on the rare
-        overlap only: this runs on every ``run(out=)``)."""
+        overlap only: this runs on every ``run(out=)``; loops, not generators, for its
+        host cost)."""
         start, end = _span(out)
-        if not any(start < input_end and input_start < end for input_start, input_end in spans):
+        for input_start, input_end in spans:
+            if start < input_end and input_start < end:
+                break
+        else:
             return False
-        return any(t.numel() and start < input_end and input_start < end and not (
-            self.op.inplace_out and t.data_ptr() == out.data_ptr() and t.dtype == out.dtype
-            and t.shape == out.shape and t.stride() == out.stride())
-            for t in inputs if t is not None for input_start, input_end in (_span(t),))
+        for t in inputs:
+            if t is None or not t.numel():
+                continue
+            input_start, input_end = _span(t)
+            if start < input_end and input_start < end and not (
+                    self.op.inplace_out and t.data_ptr() == out.data_ptr()
+                    and t.dtype == out.dtype and t.shape == out.shape
+                    and t.stride() == out.stride()):
+                return True
+        return False
 
     def run(self, *tensors: torch.Tensor | None,
             out: torch.Tensor | Sequence[torch.Tensor] | None = None,
