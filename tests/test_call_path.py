@@ -144,6 +144,26 @@ def test_held_launches_take_each_call_s_own_tensors(name, fresh_plans):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
 
 
+def test_a_launcher_whose_kernels_the_recorder_does_not_see_is_not_held():
+    """Triton 3.2's interpreter launches ``kernel[grid]`` past ``run``: a recording of such
+    a launcher holds no launch, and an empty replay would leave the next call's outputs
+    unwritten. Emulated by a launcher that writes its output by raw memory copies."""
+    import ctypes
+
+    from opforge.core.launches import HeldLaunches
+
+    def launcher(plan, inputs, outputs, workspace):
+        (x,), (out,) = inputs, outputs
+        ctypes.memmove(out.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+
+    held = HeldLaunches(launcher)
+    for seed in (0, 1):
+        x, out = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)), \
+            torch.full((4, 4), float("nan"))
+        held(None, (x,), (out,), None)
+        assert torch.equal(out, x)
+
+
 def test_a_layout_first_seen_aliased_is_not_held_for_calls_without_the_alias(backend):
     """matmul(a, a) first, then matmul(a, b) of the same layout: a replay recorded from the
     aliased call would map both operands to a; out=x then out=y likewise."""

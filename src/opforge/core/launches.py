@@ -46,7 +46,9 @@ class _Effects(TorchDispatchMode):
 
 
 def _kernel_classes() -> list[type]:
-    """The classes whose ``run`` a kernel launch goes through (compiled and interpreted)."""
+    """The classes whose ``run`` a kernel launch goes through (compiled and interpreted):
+    each that defines ``run`` itself (Triton 3.2's interpreter launches ``kernel[grid]``
+    through another path, which no recording sees)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:  # pragma: no cover - no triton, no Triton launcher
@@ -57,7 +59,7 @@ def _kernel_classes() -> list[type]:
         classes.append(InterpretedFunction)
     except ImportError:  # pragma: no cover - a Triton without an interpreter
         pass
-    return classes
+    return [cls for cls in classes if "run" in cls.__dict__]
 
 
 def _recorded(launcher: Callable[..., None], args: Sequence[Any]
@@ -196,7 +198,9 @@ class HeldLaunches:
                 self.launcher(plan, inputs, outputs, workspace)
                 return
             launches, effects = _recorded(self.launcher, (plan, inputs, outputs, workspace))
-            held = None if effects else _held(launches, slots)
+            # No launch recorded: the kernels ran by a path the recorder does not see (they
+            # computed the outputs); replaying nothing would leave the next outputs unwritten.
+            held = None if effects or not launches else _held(launches, slots)
             self.layouts[key] = held
         if held is None:
             self.launcher(plan, inputs, outputs, workspace)
