@@ -66,6 +66,7 @@ except ImportError:  # pragma: no cover
 ROWS_TILE = 4096
 LOOP_BLOCK = 4096
 SUM_BLOCK = 1024
+MIN_SUM_BLOCK = 64
 # float32 variances below this (2^26 times the smallest normal) may have lost bits to
 # underflowing squares: such rows are summed again, scaled (as are rows whose variance
 # overflowed).
@@ -608,7 +609,10 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
         WIDE=_wide(rows, cols, grad_rows, x_rows), BLOCK_N=tiling.blocks["BLOCK_N"],
         **launch_options(tiling))
     sums = [out for out in (grad_weight, grad_bias) if out is not None]
+    # Columns per program of the sum: enough programs for every core (1024 columns gave an
+    # 8192-wide weight 8 programs on a 132-core GPU), at least 64 (256 B a row, coalesced).
+    block = min(SUM_BLOCK, max(MIN_SUM_BLOCK, next_power_of_2(
+        cdiv(cols, plan.hardware.core_count))))
     for index, out in enumerate(sums):
-        sum_partials_kernel[(max(1, min(cdiv(cols, SUM_BLOCK), MAX_PROGRAMS)),)](
-            partials[index * programs * cols:], out, programs, cols,
-            BLOCK=SUM_BLOCK)
+        sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)),)](
+            partials[index * programs * cols:], out, programs, cols, BLOCK=block)
