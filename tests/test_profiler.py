@@ -554,7 +554,7 @@ def test_bench_command(tmp_path, capsys):
 def test_every_benchmarked_operator_builds_its_cpu_case():
     for name in bench.benchmarked_ops():
         opdef = opforge.get_op(name)
-        case = bench._case(opdef, opdef.bench, opdef.bench.cpu_shapes[0], torch.float32,
+        case = bench.case_at(opdef, opdef.bench, opdef.bench.cpu_shapes[0], torch.float32,
                            torch.device("cpu"))
         planned = opforge.plan(opdef, *case.inputs, **case.attrs)
         assert planned.cost.bytes_moved > 0 and math.isfinite(planned.cost.flops)

@@ -1,5 +1,5 @@
 """The ``opforge`` command: ``ops``, ``verify``, ``compile-check``, ``compare``,
-``doctor``, ``calibrate``, ``profile``, ``analyse``, ``bench``, ``demo``."""
+``doctor``, ``calibrate``, ``profile``, ``analyse``, ``bench``, ``traffic``, ``demo``."""
 
 from __future__ import annotations
 
@@ -535,12 +535,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    progress=not args.quiet)
     except ValueError as error:
         return _error(str(error))
-    table = Table(title="opforge bench")
-    for column in ("op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "vs torch", "error"):
+    table = Table(title="opforge bench (MB: the least the operator must move; planned: "
+                        "opforge's kernels by its account, in units of it)")
+    for column in ("op", "shape", "impl", "ms", "MB", "planned", "GB/s", "TFLOP/s",
+                   "vs torch", "error"):
         table.add_column(column, overflow="fold")
     for r in results:
+        planned = (r.planned_bytes / r.bytes_moved if r.planned_bytes is not None
+                   and r.bytes_moved else None)
         table.add_row(r.op, r.shape, r.impl, *("" if v is None else f"{v:.{d}f}" for v, d in (
-            (r.ms, 4), (r.gbs, 1), (r.tflops, 3), (r.speedup, 2))), r.error[:60])
+            (r.ms, 4), (r.bytes_moved / 1e6 if r.ms is not None else None, 3), (planned, 2),
+            (r.gbs, 1), (r.tflops, 3), (r.speedup, 2))), r.error[:60])
     console.print(table)
     for r in results:
         if r.ms is None and r.impl == "opforge":
@@ -551,6 +556,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if all(r.ms is None for r in results):
         return 2
     return 1 if any(r.error and r.impl == "opforge" for r in results) else 0
+
+
+def cmd_traffic(args: argparse.Namespace) -> int:
+    import torch
+
+    import opforge
+    from opforge.core.hardware import get_profile
+    from opforge.profiler.bench import shape_form
+    from opforge.profiler.results import environment, write_results
+    from opforge.profiler.traffic import audit_ops, traffic_markdown
+
+    get_profile(args.hardware)  # an unknown name is an AttrError: one error line
+    ops = [opforge.get_op(name) for name in args.ops] if args.ops else [
+        op for op in opforge.list_ops() if op.bench is not None]
+    without = [op.name for op in ops if op.bench is None]
+    if without:
+        return _error(f"{', '.join(without)}: no bench sizes (a gradient operator is "
+                      "audited with its forward's: name the forward)")
+    results = audit_ops(ops, getattr(torch, args.dtype), args.hardware,
+                        args.shapes or None, all_sizes=args.all_sizes)
+    audited = {r.op for r in results}
+    for op in ops:
+        if op.name not in audited:
+            console.print(f"{op.name}: takes sizes of {shape_form(op.bench)}, not "
+                          f"{', '.join('x'.join(map(str, s)) for s in args.shapes)}: skipped")
+    table = Table(title=f"Memory traffic per call, tiled for {args.hardware} "
+                        "(counted by Triton's interpreter), in units of the least")
+    for column in ("op", "case", "variant", "least MB", "planned", "footprint",
+                   "requested", "kernels (launches)"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        table.add_row(r.op, r.case, r.variant, f"{r.least / 1e6:.3f}",
+                      *(f"{value / r.least:.2f}" if r.least else "-"
+                        for value in (r.planned, r.footprint, r.requested)),
+                      ", ".join(f"{k.kernel} ({k.launches})" for k in r.kernels))
+    console.print(table)
+    if args.out:
+        problem = _writable_directory(Path(args.out))
+        if problem is not None:
+            return _error(problem)
+        rows = [{"op": r.op, "case": r.case, "variant": r.variant, "kernel": k.kernel,
+                 "launches": k.launches, "read_bytes": k.read, "written_bytes": k.written,
+                 "footprint_bytes": k.footprint, "call_least_bytes": r.least,
+                 "call_planned_bytes": r.planned} for r in results for k in r.kernels]
+        env = environment(torch.device("cpu"))
+        paths = write_results(Path(args.out), "traffic", rows, traffic_markdown(
+            results, args.hardware, args.dtype, env))
+        for path in paths:
+            console.print(f"wrote {path}")
+    return 0
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
@@ -754,6 +809,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench_results", help="directory of the results")
     bench.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    traffic = sub.add_parser("traffic", help="bytes each kernel moves against the least "
+                                             "the operator must move (Triton's interpreter)")
+    traffic.add_argument("ops", nargs="*",
+                         help="operator names (default: all with bench sizes; a forward's "
+                              "gradient operators are audited with it)")
+    traffic.add_argument("--hardware", default="h200",
+                         help="the hardware profile the kernels are tiled for (default h200)")
+    traffic.add_argument("--dtype", default="bfloat16",
+                         choices=["float32", "float16", "bfloat16"])
+    traffic.add_argument("--shapes", default=None, type=_shapes,
+                         help="sizes instead of the first of each operator's CPU bench "
+                              "sizes, e.g. 256x8192")
+    traffic.add_argument("--all-sizes", action="store_true",
+                         help="every CPU bench size, not only the first (slow: matmul)")
+    traffic.add_argument("--out", default=None, help="directory for the CSV and Markdown")
     demo = sub.add_parser("demo", help="train the tiny MoE language model with the monitor "
                                        "and profiler on; write reports/index.html")
     demo.add_argument("--out", default="reports", help="report directory (default reports)")
@@ -787,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # on without ending the profile: the profile command starts with it on (CPU
         # tensors still go to the torch backend unless a backend is chosen).
         _ensure_interpreter(["triton"], None)
+    if args.command == "traffic" and argv is None:
+        _ensure_interpreter(["triton"], "cpu")
     if (args.command == "compile-check" and argv is None
             and os.environ.get("TRITON_INTERPRET", "0") != "0"):
         # Compiling needs real JITFunctions, which Triton only makes without the interpreter.
@@ -795,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"ops": cmd_ops, "verify": cmd_verify, "doctor": cmd_doctor,
                "calibrate": cmd_calibrate, "compile-check": cmd_compile_check,
                "compare": cmd_compare, "profile": cmd_profile, "analyse": cmd_analyse,
-               "bench": cmd_bench, "demo": cmd_demo}[args.command]
+               "bench": cmd_bench, "traffic": cmd_traffic, "demo": cmd_demo}[args.command]
     from opforge.core.errors import OpError
 
     try:

@@ -85,10 +85,11 @@ def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
 
 
 def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    """The least: the gradient and indices read, the table written once (the float32
+    table of the atomic variant is its own account's, `_kernel_costs`)."""
     grad, indices = inputs
-    table = outputs[0].numel
     return Cost(flops=grad.numel, bytes_moved=grad.numel * grad.itemsize + indices.numel
-                * indices.itemsize + table * (outputs[0].itemsize + 8))
+                * indices.itemsize + outputs[0].numel * outputs[0].itemsize)
 
 
 def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,

@@ -19,6 +19,7 @@ drawn).
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from opforge.core.opdef import BenchSpec, Case, OpDef
 from opforge.core.plan import plan
 from opforge.core.registry import get_op, list_ops
 from opforge.profiler.results import environment, write_results
+from opforge.profiler.traffic import planned_bytes
 
 CPU_BUDGET_S = 0.2
 CPU_MAX_REPEATS = 50
@@ -51,6 +53,7 @@ class BenchResult:
     flops: float
     bytes_moved: float
     error: str = ""
+    planned_bytes: float | None = None  # opforge's kernels, by the operator's account
 
 
 def benchmarked_ops() -> list[str]:
@@ -80,7 +83,7 @@ def shape_form(spec: BenchSpec) -> str:
     return f"{numbers} number{'s' if ranks != [1] else ''}, like {example}"
 
 
-def _case(opdef: OpDef, spec: BenchSpec, shape: tuple[int, ...], dtype: torch.dtype,
+def case_at(opdef: OpDef, spec: BenchSpec, shape: tuple[int, ...], dtype: torch.dtype,
           device: torch.device) -> Case:
     generator = torch.Generator().manual_seed(0)
     if spec.case is not None:
@@ -135,8 +138,11 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
         refused = f"{name} takes sizes of {shape_form(spec)}, not {label}"
         try:
             if len(shape) in ranks:
-                case = _case(opdef, spec, tuple(shape), dtype, device)
-                cost = plan(opdef, *case.inputs, **case.attrs).cost
+                case = case_at(opdef, spec, tuple(shape), dtype, device)
+                planned = plan(opdef, *case.inputs, **case.attrs)
+                cost = planned.cost
+                # Every benchmarked operator launches each kernel of its account once.
+                planned_moved = planned_bytes(planned, defaultdict(lambda: 1))
                 refused = ""
         except Exception as failure:  # reported with the size it failed for
             refused += f": {type(failure).__name__}: {failure}"
@@ -161,7 +167,8 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
                 None if seconds is None else seconds * 1e3,
                 None if seconds is None else cost.bytes_moved / seconds / 1e9,
                 None if seconds is None else cost.flops / seconds / 1e12, None,
-                float(cost.flops), float(cost.bytes_moved), error))
+                float(cost.flops), float(cost.bytes_moved), error,
+                float(planned_moved) if impl == "opforge" else None))
         for result in results:
             if result.shape == label and result.ms and baseline:
                 result.speedup = baseline * 1e3 / result.ms
@@ -203,12 +210,18 @@ def plot_op(results: Sequence[BenchResult], spec: BenchSpec, hardware: HardwareP
 
 def _markdown(results: Sequence[BenchResult], env: dict[str, str]) -> str:
     lines = ["# opforge bench", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "",
-             "| op | shape | impl | ms | GB/s | TFLOP/s | speed-up vs torch | error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "GB/s is the least the operator must move (MB: inputs read once, outputs "
+             "written once) over the time; `planned` is what opforge's kernels move by the "
+             "operator's account, in units of that least (`opforge traffic` measures it).",
+             "", "| op | shape | impl | ms | MB | planned | GB/s | TFLOP/s | "
+             "speed-up vs torch | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         def cell(value: float | None, digits: int) -> str:
             return "" if value is None else f"{value:.{digits}f}"
-        lines.append(f"| {r.op} | {r.shape} | {r.impl} | {cell(r.ms, 4)} | {cell(r.gbs, 1)} | "
+        planned = (r.planned_bytes / r.bytes_moved if r.planned_bytes is not None
+                   and r.bytes_moved else None)
+        lines.append(f"| {r.op} | {r.shape} | {r.impl} | {cell(r.ms, 4)} | "
+                     f"{cell(r.bytes_moved / 1e6, 3)} | {cell(planned, 2)} | {cell(r.gbs, 1)} | "
                      f"{cell(r.tflops, 3)} | {cell(r.speedup, 2)} | {r.error} |")
     return "\n".join(lines) + "\n"
 
