@@ -144,6 +144,23 @@ def test_held_launches_take_each_call_s_own_tensors(name, fresh_plans):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
 
 
+@pytest.mark.parametrize("name", [op.name for op in opforge.list_ops()])
+def test_no_launch_passes_a_function_as_an_argument(name, launches):
+    """triton-ascend's launcher refuses a function given as a constexpr ("Callable
+    constexpr ... is not supported"): a kernel that applies an operator's own math has it
+    bound as a global (`bind_functions`), so no launch of any operator passes one."""
+    op = opforge.get_op(name)
+    with opforge.use_backend("triton"):
+        for case in op.samples(torch.float32, DEVICE, torch.Generator().manual_seed(0))[:3]:
+            inputs = [t.clone() if i in op.mutated_inputs else t
+                      for i, t in enumerate(case.inputs)]
+            opforge.plan(op, *inputs, **case.attrs).run(*inputs)
+    assert launches, name
+    for kernel, keywords in launches:
+        passed = [key for key, value in keywords.items() if callable(value)]
+        assert not passed, f"{name}: {kernel} is given {passed}"
+
+
 def test_a_launcher_whose_kernels_the_recorder_does_not_see_is_not_held():
     """Triton 3.2's interpreter launches ``kernel[grid]`` past ``run``: a recording of such
     a launcher holds no launch, and an empty replay would leave the next call's outputs

@@ -49,6 +49,9 @@ class HardwareProfile:
             cost occupancy; on Ascend and CPUs the on-chip budget alone decides.
         source: where the figures come from: ``datasheet``, ``runtime``, ``estimate`` or
             ``calibrated`` (measured by ``opforge calibrate``).
+        reduced_fp32_dot: the ``tl.dot`` input precision that rounds float32 operands for
+            the matrix unit: ``"tf32"`` on NVIDIA GPUs (10 mantissa bits), ``"hf32"`` on
+            Ascend (11 bits, float32's range; triton-ascend rejects ``"tf32"``).
     """
 
     name: str
@@ -60,6 +63,7 @@ class HardwareProfile:
     memories: Mapping[str, int] = field(default_factory=dict)
     max_tile_elements: int = 1 << 16
     source: str = "datasheet"
+    reduced_fp32_dot: str = "tf32"
 
     def onchip_limit(self, double_buffered: bool) -> int:
         """Bytes one program may keep live: half the on-chip memory when double-buffered
@@ -105,7 +109,7 @@ PROFILES: dict[str, HardwareProfile] = {
         onchip_bytes=192 * KiB, core_count=48,
         memories={"UB": 192 * KiB, "L1": 512 * KiB, "L0A": 64 * KiB, "L0B": 64 * KiB,
                   "L0C": 128 * KiB},
-        source="estimate"),
+        source="estimate", reduced_fp32_dot="hf32"),
 }
 
 _override = threading.local()

@@ -198,10 +198,12 @@ class HeldLaunches:
                 self.launcher(plan, inputs, outputs, workspace)
                 return
             launches, effects = _recorded(self.launcher, (plan, inputs, outputs, workspace))
-            # No launch recorded: the kernels ran by a path the recorder does not see (they
-            # computed the outputs); replaying nothing would leave the next outputs unwritten.
+            # No launch recorded: the kernels ran by a path the recorder does not see, and
+            # wrote this call's outputs; replaying nothing would leave the next unwritten.
             held = None if effects or not launches else _held(launches, slots)
             self.layouts[key] = held
+            if not launches:
+                return
         if held is None:
             self.launcher(plan, inputs, outputs, workspace)
             return

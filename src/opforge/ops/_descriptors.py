@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-if triton is not None:
+if triton is not None and hasattr(tl, "make_tensor_descriptor"):
 
     @triton.jit
     def descriptor_pair(a_base, a_rows, a_cols, a_stride, b_base, b_rows, b_cols, b_stride,
@@ -35,6 +35,18 @@ if triton is not None:
         else:
             a, b = a_base, b_base
         return a, b
+
+elif triton is not None:
+
+    @triton.jit
+    def descriptor_pair(a_base, a_rows, a_cols, a_stride, b_base, b_rows, b_cols, b_stride,
+                        DESCRIPTORS: tl.constexpr, A_ROWS: tl.constexpr,
+                        A_COLS: tl.constexpr, B_ROWS: tl.constexpr, B_COLS: tl.constexpr):
+        """A Triton without on-device descriptors (3.2): the base pointers (the launchers
+        never ask for descriptors there, `descriptors_usable`). The kernel above would not
+        even hash there: Triton's dependency walk resolves every ``tl.`` name, pruned
+        branches included."""
+        return a_base, b_base
 
 _scratch_allocator_set = False
 # The compute capability CPU tensors are judged for while `opforge compile-check` records

@@ -38,7 +38,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import rounded_for, widen
+    from opforge.ops._math import bind_functions, rounded_for, widen
 except ImportError:  # pragma: no cover - exercised on installs without triton
     triton = None
 
@@ -208,17 +208,18 @@ if triton is not None:
         index = rem % size
         return rem // size, off_a + index * stride_a, off_b + index * stride_b
 
-    @triton.jit
+    FN = None  # the operator's function of (a, b, scalar): bound by `bind_functions`
+
     def _elementwise_kernel(
         out_ptr, a_ptr, b_ptr, n, scalar,
         s1, s2, s3, s4, s5, s6, s7,
         a0, a1, a2, a3, a4, a5, a6, a7,
         b0, b1, b2, b3, b4, b5, b6, b7,
-        NDIM: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr,
-        FN: tl.constexpr, BLOCK: tl.constexpr,
+        NDIM: tl.constexpr, HAS_B: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        # Dims are right-aligned in slots 1..7; the leading dim's index is what remains
-        # after peeling the NDIM-1 trailing ones.
+        # A kernel per operator: FN is bound by `bind_functions`. Dims are right-aligned in
+        # slots 1..7; the leading dim's index is what remains after peeling the NDIM-1
+        # trailing ones.
         first = tl.program_id(0) * BLOCK
         if WIDE:
             first = first.to(tl.int64)
@@ -304,9 +305,9 @@ def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,
         layout = _layout(shape, (shape, a.stride()),
                          (shape, b.stride()) if b is not None else None)
     ndim, arguments, wide = layout
-    _elementwise_kernel[grid](
+    bind_functions(_elementwise_kernel, FN=fn)[grid](
         out, a, b if b is not None else a, out.numel(), scalar, *arguments,
-        NDIM=ndim, HAS_B=b is not None, WIDE=wide, FN=fn, BLOCK=tiling.blocks["BLOCK"])
+        NDIM=ndim, HAS_B=b is not None, WIDE=wide, BLOCK=tiling.blocks["BLOCK"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import rounded_for, widen
+    from opforge.ops._math import bind_functions, rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -80,10 +80,11 @@ def halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 if triton is not None:
 
-    @triton.jit
-    def _gated_kernel(x_ptr, grad_ptr, out_ptr, n, width, ACT: tl.constexpr,
-                      ACT_GRAD: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    ACT = ACT_GRAD = None  # the unit's activation and its slope: bound by `bind_functions`
+
+    def _gated_kernel(x_ptr, grad_ptr, out_ptr, n, width, BACKWARD: tl.constexpr,
+                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
+        # A kernel per unit: ACT and ACT_GRAD are bound by `bind_functions`.
         first = tl.program_id(0) * BLOCK
         if WIDE:
             first = first.to(tl.int64)
@@ -192,10 +193,10 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         x = inputs[-1].contiguous()
         grad = inputs[0].contiguous() if len(inputs) == 2 else x
         n = x.numel() // 2
-        _gated_kernel[plan.grid](x, grad, outputs[0], n, split_sizes(x.shape,
-                                                                     plan.attrs["dim"])[1],
-                                 ACT=act, ACT_GRAD=act_grad, BACKWARD=len(inputs) == 2,
-                                 WIDE=2 * n > INT32_LIMIT, BLOCK=plan.tiling.blocks["BLOCK"])
+        kernel = bind_functions(_gated_kernel, ACT=act, ACT_GRAD=act_grad)
+        kernel[plan.grid](x, grad, outputs[0], n, split_sizes(x.shape, plan.attrs["dim"])[1],
+                          BACKWARD=len(inputs) == 2, WIDE=2 * n > INT32_LIMIT,
+                          BLOCK=plan.tiling.blocks["BLOCK"])
 
     forward.launcher("triton")(launch)
     backward.launcher("triton")(launch)

@@ -12,6 +12,8 @@ GPU's ``cvt.rn`` everywhere.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 
 try:
@@ -25,6 +27,23 @@ def jit(function: Callable) -> Callable:
     """``triton.jit``, or the function as it is where Triton is not installed: the torch
     backend never calls a kernel, so an operator module needs no import guard."""
     return function if triton is None else triton.jit(function)
+
+
+@functools.cache
+def bind_functions(kernel: Callable, **functions: Callable) -> Callable:
+    """``triton.jit`` of ``kernel`` (a plain function, not yet a kernel) whose globals
+    named in ``functions`` are those jit functions: one kernel per set, made once.
+    Why not a function passed as a ``tl.constexpr`` argument: triton-ascend's launcher
+    refuses it ("Callable constexpr ... is not supported"). The copy keeps ``kernel``'s
+    name and source (Triton and its interpreter read both)."""
+    scope = {**kernel.__globals__, **functions}
+    copy = types.FunctionType(kernel.__code__, scope, kernel.__name__, kernel.__defaults__,
+                              kernel.__closure__)
+    # The annotations say which parameters are constexprs.
+    for attribute in ("__annotations__", "__kwdefaults__", "__qualname__", "__module__",
+                      "__doc__"):
+        setattr(copy, attribute, getattr(kernel, attribute))
+    return jit(copy)
 
 
 @jit

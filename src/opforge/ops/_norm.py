@@ -307,7 +307,13 @@ if triton is not None:
                         m2 += tl.sum(s * s, axis=1)
                 variance = m2 / N
                 scale = tl.full([BLOCK_M], 1.0, tl.float32)
-                if _needs_rescale(tl.where(row_mask, variance, 1.0)):
+                if BLOCK_M == 1:
+                    # Every row of a one-row block is real (the persistent loop stops at M);
+                    # triton-ascend's linalg conversion fails on its mask in the select.
+                    checked = variance
+                else:
+                    checked = tl.where(row_mask, variance, 1.0)
+                if _needs_rescale(checked):
                     # Two more passes for such rows only: their largest deviation, then
                     # their scaled squares.
                     top = tl.zeros([BLOCK_M], dtype=tl.float32)

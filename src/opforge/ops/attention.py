@@ -1257,10 +1257,12 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
                     ) -> dict[str, object]:
     """Compile-time arguments of a kernel: the shared ones, and the tiling's ``blocks``
     (with the head dims' blocks)."""
-    dtype = inputs[0].dtype
     chosen = {name: plan.tiling.blocks[name] for name in (*blocks, "BLOCK_D", "BLOCK_DV")}
+    # 16-bit operands take the matrix unit whatever the precision asks of float32 ones
+    # (and the interpreter's float32 copies of them are exact in tf32 too): "ieee" is
+    # the precision every backend accepts (triton-ascend rejects "tf32").
     return {"CAUSAL": plan.attrs["causal"], "UPCAST": backends.interpreter_enabled(),
-            "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "PRECISION": "ieee",
             "WIDE": wide_offsets(*inputs), **chosen, **launch_options(plan.tiling)}
 
 

@@ -541,8 +541,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if descriptors:
         use_scratch_allocator(a.device)
     options = {"UPCAST": backends.interpreter_enabled(),
-               "PRECISION": "tf32" if plan.attrs["allow_tf32"] and a.dtype == torch.float32
-               else "ieee", "WIDE": wide, "DESCRIPTORS": descriptors,
+               "PRECISION": plan.hardware.reduced_fp32_dot if plan.attrs["allow_tf32"]
+               and a.dtype == torch.float32 else "ieee", "WIDE": wide, "DESCRIPTORS": descriptors,
                "WARP_SPECIALIZE": warp_specialize, "GROUP": GROUP_M,
                **plan.tiling.blocks, **launch_options(plan.tiling)}
     if slices > 1:

@@ -969,7 +969,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     rows_sin = sin.reshape(t, dr).contiguous()
     tiling = plan.tiling
     blocks = tiling.blocks
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Every dot's operands are x's dtype: 16-bit ones take the matrix unit whatever the
+    # precision, and "ieee" is the one every backend accepts (triton-ascend rejects "tf32").
+    precision = "ieee"
     upcast = backends.interpreter_enabled()
     if tiling.variant == "fused_kv_query" and not wide_offsets(w_uq_qr, w_uk, outputs[0]):
         warps = tiling.options.get("query_warps")

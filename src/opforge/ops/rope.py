@@ -350,7 +350,7 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, stride_x, stride_c, table_rows,
                      table_step, MODE: tl.constexpr, BACKWARD: tl.constexpr, WIDE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         col_tiles = tl.cdiv(D, BLOCK_N)
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * col_tiles,
                           tl.num_programs(0)):
@@ -363,13 +363,21 @@ if triton is not None:
                 rows = rows.to(tl.int64)
             mask = (rows < M)[:, None] & col_mask[None, :]
             x_rows = x_ptr + rows[:, None] * stride_x
-            # cos/sin broadcast over leading dims: x row r uses table row
-            # (r // table_step) mod table_rows.
-            table = ((rows // table_step) % table_rows)[:, None] * stride_c
             x_source = widen(tl.load(x_rows + source[None, :], mask=mask, other=0.0))
             x_partner = widen(tl.load(x_rows + partner[None, :], mask=mask, other=0.0))
-            cos = widen(tl.load(cos_ptr + table + cos_index[None, :], mask=mask, other=0.0))
-            sin = widen(tl.load(sin_ptr + table + sin_index[None, :], mask=mask, other=0.0))
+            if ONE_ROW:
+                # One table row for every x row: loaded once a tile and broadcast (a block
+                # of addresses with row stride 0 fails triton-ascend's linalg lowering).
+                cos = widen(tl.load(cos_ptr + cos_index, mask=col_mask, other=0.0))[None, :]
+                sin = widen(tl.load(sin_ptr + sin_index, mask=col_mask, other=0.0))[None, :]
+            else:
+                # cos/sin broadcast over leading dims: x row r uses table row
+                # (r // table_step) mod table_rows.
+                table = ((rows // table_step) % table_rows)[:, None] * stride_c
+                cos = widen(tl.load(cos_ptr + table + cos_index[None, :], mask=mask,
+                                    other=0.0))
+                sin = widen(tl.load(sin_ptr + table + sin_index[None, :], mask=mask,
+                                    other=0.0))
             # One explicit fma, the same in every mode: left to itself the GPU compiler
             # contracts either product, and the modes' outputs would differ by an ulp where
             # they should be one permutation of the same values.
@@ -419,7 +427,7 @@ def _launch(plan: object, inputs: Sequence[torch.Tensor | None], out: torch.Tens
     _rope_kernel[plan.grid](rows_x, cos_rows, sin_rows, out.view(rows, d), rows, d,
                             rows_x.stride(0), cos_rows.stride(0), max(period, 1), max(step, 1),
                             MODE=plan.attrs["mode"], BACKWARD=backward,
-                            WIDE=reach > INT32_LIMIT, **plan.tiling.blocks,
+                            WIDE=reach > INT32_LIMIT, ONE_ROW=period <= 1, **plan.tiling.blocks,
                             **launch_options(plan.tiling))
 
 
