@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint verify bench certificate study clean
+.PHONY: run test lint verify bench certificate study clean portability ascend-check \
+	test-triton32 test-notriton
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,5 +37,52 @@ certificate: $(STAMP)
 bench: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python benchmarks/replay.py
 
+# ---------------------------------------------------------------------------------------
+# The other configurations CI checks after `make test` (`make portability`, ~20 min on 2
+# cores): each in its own virtual environment, built from its constraints file.
+ASCEND := .venv-ascend
+TRITON32 := .venv-triton32
+NOTRITON := .venv-notriton
+
+# Every kernel variant lowered for an Ascend 910B by triton-ascend (no NPU, no CANN
+# needed: with CANN installed the binary stage runs too).
+$(ASCEND)/.installed: pyproject.toml constraints-ascend.txt
+	rm -rf $(ASCEND) && $(PYTHON) -m venv $(ASCEND)
+	$(ASCEND)/bin/python -m pip install --quiet --upgrade pip
+	$(ASCEND)/bin/python -m pip install --quiet -c constraints-ascend.txt -e . triton-ascend pybind11
+	touch $@
+
+ascend-check: $(ASCEND)/.installed
+	$(ASCEND)/bin/opforge compile-check --target ascend910b --quiet
+
+# Triton 3.2 (what triton-ascend is built on): the registry-wide tests (every operator's
+# samples, layouts, held launches, traffic) under its interpreter, and compile-check for
+# sm_90 with its compiler. The whole suite passes there too (about 14 minutes).
+TRITON32_TESTS ?= tests/test_ops.py tests/test_layouts.py tests/test_call_path.py \
+	tests/test_traffic.py
+$(TRITON32)/.installed: pyproject.toml constraints-triton32.txt
+	rm -rf $(TRITON32) && $(PYTHON) -m venv $(TRITON32)
+	$(TRITON32)/bin/python -m pip install --quiet --upgrade pip
+	$(TRITON32)/bin/python -m pip install --quiet -c constraints-triton32.txt -e ".[triton,dev]"
+	touch $@
+
+test-triton32: $(TRITON32)/.installed
+	HYPOTHESIS_PROFILE=ci $(TRITON32)/bin/python -m pytest -n 2 -q $(TRITON32_TESTS)
+	$(TRITON32)/bin/opforge compile-check softmax rms_norm sigmoid matmul --dtype bfloat16 --quiet
+
+# No Triton at all (opforge without the triton extra): the torch backend's tests, and
+# `opforge verify` on it.
+$(NOTRITON)/.installed: pyproject.toml constraints.txt
+	rm -rf $(NOTRITON) && $(PYTHON) -m venv $(NOTRITON)
+	$(NOTRITON)/bin/python -m pip install --quiet --upgrade pip
+	$(NOTRITON)/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+test-notriton: $(NOTRITON)/.installed
+	HYPOTHESIS_PROFILE=ci $(NOTRITON)/bin/python -m pytest -n 2 -q
+	$(NOTRITON)/bin/opforge verify --cases samples --quiet
+
+portability: ascend-check test-triton32 test-notriton
+
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) reports .pytest_cache

@@ -15,7 +15,7 @@ from opforge.ops.attention import causal_mask
 from opforge.precision.attention_study import attention_error_growth, growth
 from opforge.profiler.session import kernel_costs
 
-from .conftest import DEVICE, LOW_PRECISION, assert_golden
+from .conftest import DEVICE, LOW_PRECISION, assert_golden, needs_descriptors, needs_triton
 
 ATTENTION = opforge.get_op("attention")
 ATTENTION_BACKWARD = opforge.get_op("attention_backward")
@@ -176,6 +176,8 @@ class _RecordedKernel:
         return run
 
 
+@needs_triton
+@needs_descriptors
 @pytest.mark.parametrize("variant", ["flash_tma", "flash_tma_ws"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype, d, by_descriptor", [
@@ -421,6 +423,7 @@ def test_bad_dtypes_raise():
     assert raised.value.param == "lse"
 
 
+@needs_triton  # the study runs opforge's kernels
 def test_error_does_not_grow_faster_than_sdpa():
     """The precision study on small sizes: opforge's error against float64 grows with S no
     faster than torch SDPA's and stays within 1.25x of it at every length; the naive
@@ -483,6 +486,7 @@ def test_a_nan_key_spreads_over_exactly_the_rows_that_see_it(backend):
     assert all(torch.isnan(t).all() for t in everywhere)
 
 
+@needs_descriptors
 @pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64_offsets"])
 def test_descriptor_tilings_fall_back_to_pointers_for_int64_offsets(monkeypatch, launches,
                                                                     fresh_plans, wide):

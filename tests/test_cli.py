@@ -11,6 +11,8 @@ import pytest
 
 from opforge.cli import main
 
+from .conftest import needs_descriptors
+
 
 def test_ops_lists_every_operator(capsys):
     assert main(["ops"]) == 0
@@ -133,6 +135,7 @@ print(len(first), len(every), sorted(variants(first)), sorted(variants(every)),
 """
 
 
+@needs_descriptors
 def test_compile_check_of_every_candidate_records_the_descriptor_variants(tmp_path):
     """--candidates records the launches of every tiling candidate autotuning could time:
     on a Hopper target the tensor-descriptor and warp-specialized attention kernels too
@@ -175,6 +178,22 @@ def test_compile_check_needs_compiled_kernels():
     with pytest.raises(ValueError, match="cuda:<cc>"):
         parse_target("gfx942")
     assert parse_target("cuda:80")[1].name == "a100"
+    target, hardware = parse_target("ascend910b")
+    assert (target.backend, target.arch, hardware.name) == ("npu", "Ascend910B3", "ascend910b")
+
+
+def test_the_compilers_failing_line_is_the_reported_one():
+    """From triton-ascend's banners, its compiler's diagnostics and a crash's stack dump,
+    the line that says what failed."""
+    from opforge.aot import _first_error_line
+
+    crash = ("///---[ERROR][Triton][BEG]---\n[ConvertTritonIRToLinalgIR] encounters error:\n"
+             "<unknown>:0: error: strides must not be zero\nStack dump:\n"
+             "0.\tProgram arguments: triton-adapter-opt\n #0 0x55f1 (triton-adapter-opt)\n"
+             "[INFO]: The compiled kernel cache is in /root/.triton/cache/x\n///---[END]---")
+    assert _first_error_line(crash) == "<unknown>:0: error: strides must not be zero"
+    assert _first_error_line("[MLIRCompile] encounters error:\nAssertionError('no')\n"
+                             " #1 0x12 (lib)") == "AssertionError('no')"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +270,7 @@ def test_verify_counts_a_repeated_name_once_and_a_skip_as_no_success(monkeypatch
     (["verify", "sigmoid", "--certificate", "{tmp}/cert.png"], "name the Markdown file"),
     (["verify", "sigmoid", "--report", "{tmp}/file/report"], "cannot be a directory"),
     (["compile-check", "sigmoid", "--target", "rocm"], "cuda:"),
+    (["compile-check", "sigmoid", "--target", "ascend910b"], "needs triton-ascend"),
     (["bench", "sigmoid", "--device", "bogus"], "not usable here"),
     (["bench", "sigmoid", "--out", "{tmp}/file"], "cannot be a directory"),
     (["profile", "--out", "{tmp}/file", "--", "python", "{tmp}/script.py"],

@@ -11,7 +11,7 @@ import opforge.nn
 from opforge.core.opdef import Case, Tiling
 from opforge.profiler.session import kernel_costs
 
-from .conftest import DEVICE, assert_golden
+from .conftest import DEVICE, assert_golden, needs_descriptors
 
 MATMUL = opforge.get_op("matmul")
 SHAPES = [((5,), (5,)), ((3, 5), (5,)), ((5,), (5, 4)), ((2, 3, 5), (5,)), ((7,), (2, 7, 3)),
@@ -199,6 +199,7 @@ def test_strided_out_is_written_through_its_strides(layout, splits, monkeypatch)
     assert_golden(MATMUL, Case(layout, (a, b)), out)
 
 
+@needs_descriptors
 @pytest.mark.parametrize("variant", ["tiles_tma", "tiles_tma_ws"])
 @pytest.mark.parametrize("a_shape, b_shape, dtype, splits, by_descriptor", [
     ((33, 200), (200, 72), torch.bfloat16, 1, True),

@@ -208,8 +208,6 @@ def test_plan_records_cost_each_kernel_of_multi_kernel_operators():
     import importlib
     import pkgutil
 
-    from triton.runtime.jit import KernelInterface
-
     import opforge.ops
     from opforge.ops.mla_prolog import mla_inputs
     from opforge.profiler.session import kernel_costs
@@ -217,7 +215,7 @@ def test_plan_records_cost_each_kernel_of_multi_kernel_operators():
     kernels = {name for info in pkgutil.iter_modules(opforge.ops.__path__)
                for name, value in vars(importlib.import_module(
                    f"opforge.ops.{info.name}")).items()
-               if isinstance(value, KernelInterface)}
+               if hasattr(value, "fn") and hasattr(value, "__getitem__")}  # a kernel
     q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
     lse = torch.randn(1, 4, 40)
     x, weight = torch.randn(6, 32), torch.randn(32)

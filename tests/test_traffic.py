@@ -15,6 +15,10 @@ from opforge.core.hardware import get_profile, use_hardware
 from opforge.core.opdef import Case
 from opforge.profiler import traffic
 
+from .conftest import needs_triton
+
+pytestmark = needs_triton  # the interpreter counts the kernels' accesses
+
 # Sizes small enough for the interpreter; every form an operator's bench takes.
 SMALL = {"matmul": (64,), "attention": (1, 2, 64, 32), "embedding_dense_grad": (64, 32, 500),
          "moe_gating_top_k": (16, 256)}

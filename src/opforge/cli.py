@@ -11,6 +11,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -24,13 +25,20 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
 
 
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def _ensure_interpreter(backends: Sequence[str], device: str | None) -> None:
     """Triton kernels on CPU tensors (no accelerator, or ``--device cpu``) run in
     Triton's interpreter, which must be switched on before the kernels are defined:
     re-run this command with it on. (``TRITON_INTERPRET=0`` set by the user is left
     alone: the Triton cases are then reported as skipped.)"""
     on_cpu = device == "cpu" or (device is None and not _accelerator_present())
-    if "triton" in backends and os.environ.get("TRITON_INTERPRET") is None and on_cpu:
+    if "triton" in backends and os.environ.get("TRITON_INTERPRET") is None and on_cpu \
+            and _triton_installed():
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "opforge", *sys.argv[1:]])
 
@@ -140,6 +148,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     problem = _verify_outputs_problem(args.report, args.certificate)
     if problem is not None:
         return _error(problem)
+    if args.backend == "all" and not _triton_installed():
+        # An install without the triton extra has one backend to verify; asked for by
+        # name, the triton backend's cases are reported as skipped (a non-zero exit).
+        console.print("Triton is not installed: verifying the torch backend")
+        backends = ["torch"]
     case_sets = ["samples", "sweep"] if args.cases == "all" else [args.cases]
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -285,6 +298,8 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
         target, hardware = parse_target(args.target)
     except ValueError as error:
         return _error(str(error))
+    if target.backend == "npu":
+        return _lower_for_npu(ops, dtypes, target, hardware, args.target, args.quiet)
     results = compile_variants(record_variants(ops, dtypes, hardware, args.candidates,
                                                target.arch), target)
     table = Table(title=f"opforge compile-check for {args.target}, tiled for {hardware.name} "
@@ -293,6 +308,8 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
                    "shared B"):
         table.add_column(column)
     for r in results:
+        if args.quiet and r.ok:
+            continue
         status = "[green]ok[/]" if r.ok else f"[red]FAIL[/] {r.error}"
         table.add_row(r.variant.name, r.variant.describe(), ", ".join(sorted(r.variant.ops)),
                       status, f"{r.seconds:.2f}", *(str(v) if v is not None else "-"
@@ -301,6 +318,35 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     console.print(table)
     failed = sum(not r.ok for r in results)
     console.print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _lower_for_npu(ops: Sequence[Any], dtypes: Sequence[Any], target: Any, hardware: Any,
+                   name: str, quiet: bool) -> int:
+    """compile-check for an Ascend target: each launch through triton-ascend's launcher,
+    then lowered as far as this machine can (see `opforge.aot`)."""
+    from opforge.aot import lower_npu_launches, record_npu_launches
+
+    try:
+        launches, refused = record_npu_launches(ops, dtypes, hardware, target)
+    except RuntimeError as error:
+        return _error(str(error))
+    results = [*refused, *lower_npu_launches(launches, target)]
+    table = Table(title=f"opforge compile-check for {name} ({target.arch}, triton-ascend), "
+                        f"tiled for {hardware.name} (no device needed)")
+    for column in ("kernel", "variant", "operators", "reached", "status", "s"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        if quiet and r.ok and "tried again" not in r.error:
+            continue
+        status = "[green]ok[/]" if r.ok else "[red]FAIL[/]"
+        table.add_row(r.kernel, r.description, ", ".join(sorted(r.ops)), r.reached or "-",
+                      f"{status} {_shown(r.error)}", f"{r.seconds:.2f}")
+    console.print(table)
+    failed = sum(not r.ok for r in results)
+    binaries = sum(r.reached == "binary" for r in results)
+    console.print(f"{len(results) - failed} passed ({binaries} to a binary, the others to "
+                  f"triton-ascend's linalg IR), {failed} failed")
     return 1 if failed else 0
 
 
@@ -748,7 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--dtype", action="append",
                         choices=["float32", "float16", "bfloat16"],
                         help="dtype to check (repeatable; default: all three)")
-    verify.add_argument("--backend", default="all", choices=["all", "torch", "triton"])
+    verify.add_argument("--backend", default="all", choices=["all", "torch", "triton"],
+                        help="all: torch and triton (torch alone where Triton is not "
+                             "installed)")
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda if any)")
     verify.add_argument("--seed", type=_count(0, 2**63 - 1), default=0)
     verify.add_argument("--cases", default="all", choices=["all", "samples", "sweep"],
@@ -761,12 +809,16 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("compile-check",
                            help="compile every kernel variant for a GPU target, no GPU needed")
     check.add_argument("ops", nargs="*", help="operator names (default: all)")
-    check.add_argument("--target", default="cuda:90", help="cuda:<cc> (default cuda:90)")
+    check.add_argument("--target", default="cuda:90",
+                       help="cuda:<cc> (default cuda:90), or ascend910b (with triton-ascend "
+                            "installed: lowered through its linalg IR, to a binary with CANN)")
     check.add_argument("--candidates", action="store_true",
                        help="every tiling candidate autotuning could time, not only the "
                             "first that fits")
     check.add_argument("--dtype", action="append",
                        choices=["float32", "float16", "bfloat16"])
+    check.add_argument("--quiet", action="store_true",
+                       help="list only the variants that failed, then the totals")
     compare = sub.add_parser("compare", help="find where two dumped runs diverge")
     compare.add_argument("run_a", help="reference run folder (written by precision.dump)")
     compare.add_argument("run_b", help="run to check")

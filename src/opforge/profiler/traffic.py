@@ -115,9 +115,11 @@ _counters = threading.local()  # .kernels: {name: KernelTraffic}, .current: the 
 
 
 def _interpreter_classes() -> tuple[type, type]:
-    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
+    # Every interpreted launch runs a GridExecutor (Triton 3.2's ``kernel[grid]`` makes one
+    # without going through ``run``).
+    from triton.runtime.interpreter import GridExecutor, InterpreterBuilder
 
-    return InterpreterBuilder, InterpretedFunction
+    return InterpreterBuilder, GridExecutor
 
 
 def _account(pointers: Any, mask: Any, written: bool) -> None:
@@ -147,10 +149,10 @@ def counting() -> Iterator[dict[str, KernelTraffic]]:
     if not backends.interpreter_enabled():
         raise RuntimeError("memory traffic is counted by Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before importing opforge")
-    builder, function = _interpreter_classes()
+    builder, executor = _interpreter_classes()
     load, store = builder.create_masked_load, builder.create_masked_store
     atomic, compare_swap, run = (builder.create_atomic_rmw, builder.create_atomic_cas,
-                                 function.run)
+                                 executor.__call__)
 
     def counted_load(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
         _account(ptrs, mask, written=False)
@@ -187,7 +189,8 @@ def counting() -> Iterator[dict[str, KernelTraffic]]:
     patches = ((builder, "create_masked_load", counted_load),
                (builder, "create_masked_store", counted_store),
                (builder, "create_atomic_rmw", counted_atomic),
-               (builder, "create_atomic_cas", counted_swap), (function, "run", counted_run))
+               (builder, "create_atomic_cas", counted_swap),
+               (executor, "__call__", counted_run))
     _counters.kernels = kernels
     with contextlib.ExitStack() as stack:
         for owner, name, patched in patches:
