@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import json
 import os
 import re
@@ -532,7 +533,10 @@ def _lowered(launch: _NpuLaunch, target: Any) -> tuple[str, bool, str]:
     import triton
 
     try:
-        triton.compile(launch.source, target=target, options=launch.options)
+        # triton-ascend prints a line per compile when CANN's compiler is absent; what
+        # failed comes back in its exception.
+        with contextlib.redirect_stdout(io.StringIO()):
+            triton.compile(launch.source, target=target, options=launch.options)
         return "binary", True, ""
     except Exception as failure:
         message = str(failure)
