@@ -194,3 +194,5 @@ if triton is not None:
         x (x * 4097) would overflow for huge |x|. ``EXACT`` as in `normal_cdf`."""
         safe = tl.minimum(tl.maximum(x, -PDF_UNDERFLOW_X), PDF_UNDERFLOW_X)
         return _exp_neg_half_square_to(safe, 0.0, EXACT) * INV_SQRT_2PI
+else:  # pragma: no cover - without Triton the torch backend runs and calls no kernel
+    widen = rounded_for = None

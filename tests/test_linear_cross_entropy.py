@@ -1,0 +1,114 @@
+"""fused_linear_cross_entropy: torch's cross_entropy of hidden @ weight.T (reductions,
+ignore_index, label smoothing) in chunks of tokens, forward and backward, the float64
+golden, no tensor of the logits' size, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import opforge
+from opforge.core.errors import DtypeError, IndexRangeError, ShapeError
+from opforge.ops.linear_cross_entropy import chunk_rows
+
+from .conftest import DEVICE, LOW_PRECISION, assert_golden
+
+FORWARD = opforge.get_op("fused_linear_cross_entropy")
+BACKWARD = opforge.get_op("fused_linear_cross_entropy_backward")
+
+
+def _draw(tokens: int, hidden_size: int, classes: int, seed: int = 0,
+          dtype: torch.dtype = torch.float32
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(DEVICE, dtype)
+    weight = (torch.randn(classes, hidden_size, generator=generator)
+              * hidden_size ** -0.5).to(DEVICE, dtype)
+    target = torch.randint(0, classes, (tokens,), generator=generator)
+    target[torch.rand(tokens, generator=generator) < 0.2] = -100
+    return hidden, weight, target.to(DEVICE)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.15])
+def test_loss_and_gradients_are_torch_s_through_several_chunks(reduction, smoothing,
+                                                               backend):
+    """Against torch's cross_entropy of the float64 product: 150 tokens in chunks of 64
+    (two full chunks and a tail), the loss and both gradients of a random weighting."""
+    hidden, weight, target = _draw(150, 40, 200)
+    assert chunk_rows(150, 40, 200) == 64
+    leaves = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
+    loss = opforge.fused_linear_cross_entropy(*leaves, target, reduction=reduction,
+                                              label_smoothing=smoothing)
+    upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = torch.autograd.grad((loss * upstream).sum(), leaves)
+    wide = tuple(t.double().requires_grad_() for t in (hidden, weight))
+    want = torch.nn.functional.cross_entropy(wide[0] @ wide[1].T, target,
+                                             reduction=reduction, label_smoothing=smoothing)
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), wide)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+    for grad, want_grad in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_low_precision_matches_the_golden(dtype, backend):
+    """Each sample in a 16-bit dtype, forward and backward, against the float64 golden
+    within the verify standard (no worse than torch's unfused pair)."""
+    generator = torch.Generator().manual_seed(0)
+    for op in (FORWARD, BACKWARD):
+        for case in op.samples(dtype, DEVICE, generator)[:3]:
+            assert_golden(op, case, opforge.plan(op, *case.inputs, **case.attrs).run(
+                *case.inputs))
+
+
+class _Sizes(TorchDispatchMode):
+    """The largest tensor any operator inside the block returns, in bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel() * tensor.element_size())
+        return out
+
+
+def test_no_tensor_holds_the_logits(backend):
+    """With 1024 tokens, 32 features and 2048 classes, the largest tensor the forward's or
+    the backward's plan makes (their steps' outputs, workspaces and every temporary: the
+    plans run directly, so the mode sees inside them) holds one chunk's logits, 64 rows
+    of float32, a 16th of the whole; the unfused pair's largest is all of them."""
+    hidden, weight, target = _draw(1024, 32, 2048)
+    grad = torch.ones((), device=DEVICE)
+    forward = opforge.plan(FORWARD, hidden, weight, target)
+    backward = opforge.plan(BACKWARD, grad, hidden, weight, target)
+    with _Sizes() as sizes:
+        forward.run(hidden, weight, target)
+        backward.run(grad, hidden, weight, target)
+    assert sizes.largest == 64 * 2048 * 4
+    with _Sizes() as unfused:
+        torch.nn.functional.cross_entropy(hidden @ weight.T, target)
+    assert unfused.largest == 1024 * 2048 * 4
+
+
+def test_errors_come_before_any_kernel():
+    hidden, weight, target = _draw(8, 4, 10)
+    with pytest.raises(ShapeError, match="weight"):
+        opforge.fused_linear_cross_entropy(hidden, weight[:, :3], target)
+    with pytest.raises(ShapeError, match="hidden"):
+        opforge.fused_linear_cross_entropy(hidden[None], weight, target)
+    with pytest.raises(ShapeError, match="target"):
+        opforge.fused_linear_cross_entropy(hidden, weight, target[:5])
+    with pytest.raises(DtypeError, match="weight"):
+        opforge.fused_linear_cross_entropy(hidden, weight.double(), target)
+    with pytest.raises(DtypeError):
+        opforge.fused_linear_cross_entropy(hidden, weight, target.float())
+    bad = target.clone()
+    bad[3] = 10
+    with pytest.raises(IndexRangeError, match="target"):
+        opforge.fused_linear_cross_entropy(hidden, weight, bad)
