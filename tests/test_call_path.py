@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -63,6 +64,28 @@ def test_statistics_saved_for_backward_never_require_grad(backend):
     x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
     _, rstd = npu_rms_norm(x, torch.ones(16, device=DEVICE))
     assert not rstd.requires_grad
+
+
+def test_a_backward_fills_no_zeros_for_the_statistics(backend):
+    """rstd, mean and lse have no gradient: the formulas get None, not a zeros kernel."""
+    x = torch.randn(4, 24, device=DEVICE, requires_grad=True)
+    weight = torch.randn(24, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 24, (4,), device=DEVICE)
+    for loss in (opforge.rms_norm(x, weight).square().sum(),
+                 opforge.layer_norm(x, 24, weight, None).square().sum(),
+                 opforge.cross_entropy(x, target)):
+        with Recorder() as recorder:
+            loss.backward()
+        assert not [name for name in recorder.seen if "zeros" in name or "fill" in name]
+
+
+def test_add_rms_norm_with_only_its_sum_used_gets_the_sum_s_gradient(backend):
+    x, residual = (torch.randn(3, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    weight = torch.randn(16, device=DEVICE, requires_grad=True)
+    upstream = torch.randn(3, 16, device=DEVICE)
+    total = opforge.add_rms_norm(x, residual, weight)[1]
+    grads = torch.autograd.grad(total, (x, residual), upstream)
+    assert all(torch.equal(grad, upstream) for grad in grads)
 
 
 def test_a_parameter_takes_the_eager_entry_and_gets_its_gradient(backend):
@@ -159,6 +182,92 @@ def test_no_launch_passes_a_function_as_an_argument(name, launches):
     for kernel, keywords in launches:
         passed = [key for key, value in keywords.items() if callable(value)]
         assert not passed, f"{name}: {kernel} is given {passed}"
+
+
+class _FakeCompiled:
+    """A compiled kernel's launch interface, recording each launch."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self) -> None:
+        self.launched: list[tuple] = []
+
+    def launch_metadata(self, grid, stream, *values):
+        return None
+
+    def run(self, *arguments):
+        self.launched.append(arguments)
+
+
+class _FakeKernel:
+    """A JIT function taking (x, n, BLOCK=8): ``run`` launches its compiled kernel."""
+
+    def __init__(self, compiled: _FakeCompiled) -> None:
+        import inspect
+
+        self.compiled, self.runs, self.pre_run_hooks = compiled, 0, []
+        self.params = [types.SimpleNamespace(name=name, default=default)
+                       for name, default in (("x", inspect.Parameter.empty),
+                                             ("n", inspect.Parameter.empty), ("BLOCK", 8))]
+
+    def run(self, *arguments, grid, warmup, **keywords):
+        self.runs += 1
+        return self.compiled
+
+
+class _FakeDriver:
+    device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+def test_a_replay_launches_the_compiled_kernel_after_its_first_run(monkeypatch):
+    """After one launch through the kernel's run, a held launch calls the compiled
+    kernel's launcher with the call's tensors, every parameter (defaults filled in), the
+    grid padded to three and the current stream; on another current device it goes
+    through run again."""
+    from opforge.core import launches
+
+    driver = _FakeDriver()
+    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(launches, "_LAUNCH_API", (types.SimpleNamespace(runtime=hooks),
+                                                  types.SimpleNamespace(active=driver)))
+    compiled = _FakeCompiled()
+    kernel = _FakeKernel(compiled)
+    launch = launches._Launch(kernel, [None, 7], {"grid": (4,), "warmup": False,
+                                                  "num_warps": 4}, [(0, 0, None)])
+    first, second, third = (torch.full((2,), float(i)) for i in range(3))
+    launch.run([first])
+    assert kernel.runs == 1 and not compiled.launched
+    launch.run([second])
+    assert kernel.runs == 1
+    (arguments,) = compiled.launched
+    assert arguments[:8] == (4, 1, 1, 1000, "function", "metadata", None, None)
+    assert arguments[8:9] == (None,) and arguments[9] is second and arguments[10:] == (7, 8)
+    driver.device = 1
+    launch.run([third])
+    assert kernel.runs == 2 and len(compiled.launched) == 1
+
+
+def test_a_kernel_with_pre_run_hooks_or_a_grid_function_is_not_launched_directly(monkeypatch):
+    from opforge.core import launches
+
+    monkeypatch.setattr(launches, "_LAUNCH_API", (
+        types.SimpleNamespace(runtime=types.SimpleNamespace(launch_enter_hook=None,
+                                                            launch_exit_hook=None)),
+        types.SimpleNamespace(active=_FakeDriver())))
+    hooked = _FakeKernel(_FakeCompiled())
+    hooked.pre_run_hooks = [print]
+    for kernel, grid in ((hooked, (4,)), (_FakeKernel(_FakeCompiled()), lambda meta: (4,))):
+        launch = launches._Launch(kernel, [None, 7], {"grid": grid, "warmup": False},
+                                  [(0, 0, None)])
+        for _ in range(3):
+            launch.run([torch.zeros(2)])
+        assert kernel.runs == 3 and not kernel.compiled.launched
 
 
 def test_a_launcher_whose_kernels_the_recorder_does_not_see_is_not_held():

@@ -382,6 +382,16 @@ def test_nn_modules_drop_in_for_torch():
     assert model[0].weight.grad is not None
 
 
+def test_rms_norm_module_answers_to_hugging_face_s_variance_epsilon():
+    norm = opforge.nn.RMSNorm(8, eps=1e-5)
+    assert norm.variance_epsilon == 1e-5
+    norm.variance_epsilon = 1e-3
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight,
+                                                                     1e-3))
+    assert "variance_epsilon" not in norm.state_dict()
+
+
 def test_dynamic_shapes_compile_once():
     """The fake implementation takes symbolic sizes: three shapes, one graph."""
     from torch._dynamo.testing import CompileCounter

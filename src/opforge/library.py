@@ -102,6 +102,9 @@ def _autograd_function(opdef: OpDef, below_autograd: Callable[[Any, Sequence[Any
                   else below_autograd(runner, args))
         if constants:
             ctx.mark_non_differentiable(*(result[index] for index in constants))
+        # An output without a gradient reaches the formula as None, not as zeros: a
+        # statistic's zeros were a fill kernel per backward, and each formula takes None.
+        ctx.set_materialize_grads(False)
         if opdef.setup_context_fn is not None:
             needs = ctx.needs_input_grad
             ctx.needs_input_grad = needs[1:]  # the runner is not an input

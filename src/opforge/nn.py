@@ -70,6 +70,15 @@ class RMSNorm(torch.nn.Module):
         else:
             self.register_parameter("weight", None)
 
+    @property
+    def variance_epsilon(self) -> float | None:
+        """``eps`` under the name Hugging Face's RMSNorm modules give it."""
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float | None) -> None:
+        self.eps = value
+
     def reset_parameters(self) -> None:
         if self.weight is not None:
             torch.nn.init.ones_(self.weight)
