@@ -18,9 +18,9 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
    torch ops, eager and compiled, DeepSeek-V3 routing (T = 1, 128, 16384) against its
    torch composition, and the embedding gradient (V 128256, D 4096, T 16384, uniform and
    Zipf indices, atomic and deterministic) against aten;
-   times softmax, log_softmax, rms_norm and layer_norm forward + backward against torch
-   eager,
-   torch.compile and Liger-Kernel (when installed), and square matmuls (bf16 4096³ and
+   times softmax, log_softmax, rms_norm, layer_norm, swiglu and cross_entropy forward +
+   backward against torch eager, torch.compile and Liger-Kernel (when installed; also
+   beside the forwards it has), and square matmuls (bf16 4096³ and
    8192³, fp32 4096³) against cuBLAS and torch.compile in TFLOP/s;
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
@@ -154,19 +154,31 @@ RMS_EPS = 1e-6
 LN_EPS = 1e-5
 
 
-def _liger(op: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Liger-Kernel's ``op`` (last dim) when the package is installed, else None."""
+def _swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return functional.silu(gate) * up
+
+
+def _liger(op: str) -> Callable[..., torch.Tensor] | None:
+    """Liger-Kernel's ``op`` with the arguments of this script's torch function for it
+    (`make_cases`, `training_cases`), or None (not installed, or no such operator)."""
     try:
         if op == "softmax":
             from liger_kernel.ops.softmax import LigerSoftmaxFunction
             return LigerSoftmaxFunction.apply
         if op == "rms_norm":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-            return lambda x: LigerRMSNormFunction.apply(x, weight, RMS_EPS)
+            return lambda x, w: LigerRMSNormFunction.apply(x, w, RMS_EPS)
         if op == "layer_norm":
             from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-            bias = torch.zeros_like(weight)
-            return lambda x: LigerLayerNormFunction.apply(x, weight, bias, LN_EPS)
+            return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, LN_EPS)
+        if op == "swiglu":
+            from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+            return LigerFusedGateUpSiLUMulFunction.apply
+        if op == "cross_entropy":
+            from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+            return lambda logits, target: LigerCrossEntropyFunction.apply(logits, target,
+                                                                          None)[0]
     except ImportError:
         return None
     return None
@@ -250,49 +262,101 @@ def matmul_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_m
             yield (_error_row("time", "matmul", shape, name, "opforge", error))
 
 
-def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
-                          copy_gb_s: float, compile_peers: bool, warmup_ms: int,
-                          rep_ms: int) -> list[Row]:
-    """Forward + backward of softmax, log_softmax and rms_norm (``autograd.grad`` of the
-    output with a fixed upstream gradient, with respect to x): opforge, torch eager,
-    torch.compile and, when installed, Liger-Kernel. Bytes: the forward reads x and writes
-    y, the backward reads two tensors of x's size and writes dx."""
+@dataclass(frozen=True)
+class TrainingCase:
+    """One operator's forward + backward at one size.
+
+    Attributes:
+        op: opforge operator name.
+        leaves: the differentiated inputs (x, and a norm's weight and bias).
+        least_bytes: the least the pair must move: every input read once, the output and
+            every gradient written once, the output's gradient read once (a loss: its
+            logits read once and their gradient written once).
+        impls: (name, function of the leaves) for opforge and each peer.
+    """
+
+    op: str
+    leaves: Tensors
+    least_bytes: int
+    impls: list[tuple[str, Callable[..., torch.Tensor]]]
+
+
+def training_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                   compile_peers: bool) -> list[TrainingCase]:
+    """softmax, log_softmax, rms_norm and layer_norm (with their weight and bias as
+    leaves, as in training), swiglu (``shape`` is its input, gate and up halves) and
+    cross_entropy (``shape`` is (tokens, vocabulary), mean over int64 targets): opforge,
+    torch eager, torch.compile and, when installed, Liger-Kernel."""
     generator = torch.Generator(device=device).manual_seed(1)
+    m, n = shape
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-    upstream = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-    weight = torch.randn(shape[-1], generator=generator, device=device, dtype=dtype)
-    moved = 5 * x.numel() * x.element_size()
-    rows = []
-    for op, ours, eager in (
-            ("softmax", opforge.softmax, _softmax),
-            ("log_softmax", opforge.log_softmax, _log_softmax),
-            ("rms_norm", lambda t: opforge.rms_norm(t, weight, RMS_EPS),
-             lambda t: functional.rms_norm(t, t.shape[-1:], weight, RMS_EPS)),
-            ("layer_norm", lambda t: opforge.layer_norm(t, t.shape[-1], weight, None, LN_EPS),
-             lambda t: functional.layer_norm(t, t.shape[-1:], weight, None, LN_EPS))):
+    weight = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    bias = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    target = torch.randint(0, n, (m,), generator=generator, device=device)
+    size = x.numel() * x.element_size()
+    row = n * x.element_size()
+    specs = (
+        ("softmax", (x,), 5 * size, opforge.softmax, _softmax),
+        ("log_softmax", (x,), 5 * size, opforge.log_softmax, _log_softmax),
+        ("rms_norm", (x, weight), 5 * size + 2 * row,
+         lambda t, w: opforge.rms_norm(t, w, RMS_EPS),
+         lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS)),
+        ("layer_norm", (x, weight, bias), 5 * size + 4 * row,
+         lambda t, w, b: opforge.layer_norm(t, t.shape[-1], w, b, LN_EPS),
+         lambda t, w, b: functional.layer_norm(t, t.shape[-1:], w, b, LN_EPS)),
+        # Forward: x read, half its size written; backward: that gradient and x read,
+        # x's gradient written.
+        ("swiglu", (x,), 4 * size, opforge.swiglu, _swiglu),
+        ("cross_entropy", (x,), 2 * size, lambda t: opforge.cross_entropy(t, target),
+         lambda t: functional.cross_entropy(t, target)))
+    cases = []
+    for op, leaves, least, ours, eager in specs:
         impls = [("opforge", ours), ("torch eager", eager)]
         if compile_peers:
             impls.append(("torch.compile", torch.compile(eager, dynamic=False)))
-        liger = _liger(op, weight)
+        liger = _liger(op)
         if liger is not None:
+            if op == "cross_entropy":
+                liger = functools.partial(liger, target=target)
             impls.append(("Liger-Kernel", liger))
-        for name, function in impls:
-            leaf = x.detach().requires_grad_()
+        cases.append(TrainingCase(op, leaves, least, impls))
+    return cases
 
-            def step(function=function, leaf=leaf) -> Any:
-                return torch.autograd.grad(function(leaf), leaf, upstream)
 
+def training_step(function: Callable[..., torch.Tensor], leaves: Tensors
+                  ) -> Callable[[], Any]:
+    """A zero-argument forward + backward of ``function`` at fresh leaves, with a fixed
+    random upstream gradient (Liger's kernels may overwrite their inputs and the
+    upstream gradient in place, hence the copies here, once)."""
+    leaves = tuple(leaf.detach().clone().requires_grad_() for leaf in leaves)
+    upstream = torch.randn_like(function(*leaves))
+
+    def step() -> Any:
+        return torch.autograd.grad(function(*leaves), leaves, upstream)
+    return step
+
+
+def forward_backward_rows(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                          copy_gb_s: float, compile_peers: bool, warmup_ms: int,
+                          rep_ms: int) -> list[Row]:
+    """Forward + backward (``autograd.grad`` with respect to every leaf of
+    `training_cases`) of each implementation; GB/s on the least the pair must move."""
+    rows = []
+    for case in training_cases(shape, dtype, device, compile_peers):
+        for name, function in case.impls:
             try:
+                step = training_step(function, case.leaves)
                 step()
                 torch.cuda.synchronize()
                 us = bench_us(step, warmup_ms, rep_ms)
             except Exception as error:
-                rows.append(_error_row("time", f"{op} fwd+bwd", _shape_text(shape),
+                rows.append(_error_row("time", f"{case.op} fwd+bwd", _shape_text(shape),
                                        _dtype_text(dtype), name, error))
                 continue
-            gb_s = bandwidth(moved, us)
-            rows.append(Row("time", f"{op} fwd+bwd", _shape_text(shape), _dtype_text(dtype),
-                            name, us, moved, gb_s, gb_s / copy_gb_s))
+            gb_s = bandwidth(case.least_bytes, us)
+            rows.append(Row("time", f"{case.op} fwd+bwd", _shape_text(shape),
+                            _dtype_text(dtype), name, us, case.least_bytes, gb_s,
+                            gb_s / copy_gb_s))
     return rows
 
 
@@ -619,6 +683,9 @@ def implementations(case: OpCase, compiled: Callable[..., torch.Tensor] | None
     ]
     if compiled is not None:
         impls.append(("torch.compile", lambda: compiled(*inputs)))
+    liger = _liger(case.op)
+    if liger is not None:
+        impls.append(("Liger-Kernel", lambda: liger(*inputs)))
     return impls
 
 

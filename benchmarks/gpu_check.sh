@@ -5,9 +5,19 @@
 #     STEPS="profile bench profiler_tests" bash benchmarks/gpu_check.sh   # some steps
 #
 # Results go to $OUT (default benchmarks/results/gpu). Steps, in order:
-#   env            environment (env.txt)
+#   env            environment (env.txt); Liger-Kernel installed from .wheels/ when there
+#                  (`pip download --no-deps liger-kernel -d .wheels`, carried to the machine)
+#   call_path      tests/test_call_path.py and tests/test_cross_entropy.py on CUDA (held
+#                  launches replayed through the compiled kernels' launchers, every
+#                  operator; the cross-entropy kernels)
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
-#                  gradient, then the bandwidth kernels)
+#                  gradient, then the bandwidth kernels and the forward + backward pairs
+#                  beside torch eager, torch.compile and Liger-Kernel)
+#   linear_cross_entropy  benchmarks/linear_cross_entropy_memory.py: peak memory and time of
+#                  the fused linear cross-entropy (N 8192, H 4096, V 128256, bf16) beside the
+#                  unfused pair and Liger-Kernel's
+#   kernel_breakdown  benchmarks/kernel_breakdown.py: each kernel's device time in one
+#                  forward + backward of every pair, per implementation
 #   gpu_bench_tuned  gpu_bench.py --autotune $TUNED_ARGS (default --targets: the speed
 #                  targets' attention shape and MlaProlog; --skip-bandwidth adds every
 #                  attention shape, routing, the embedding gradient and matmul) with every
@@ -35,9 +45,11 @@
 #   matmul_tuning  benchmarks/matmul_tuning.py: the matmul configuration sweep (pointer
 #                  and tensor-descriptor variants) against cuBLAS on square and MlaProlog
 #                  shapes (~2-3 min; ask for it)
+# BENCH_ARGS, BREAKDOWN_ARGS and VERIFY_ARGS add arguments to gpu_bench.py (say
+# --skip-attention), kernel_breakdown.py (--warps 8,32) and opforge verify (--dtype bfloat16).
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
-# (seconds; override with BENCH_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
+# (seconds; override with CALL_PATH_TIMEOUT, BENCH_TIMEOUT, LINEAR_CE_TIMEOUT, BREAKDOWN_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
 # OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
 # not fit every step at once (the 2026-12-01 run took 103 s for gpu_bench, 41 s for
@@ -55,7 +67,7 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
-DEFAULT_STEPS="gpu_bench attention_precision tests verify replay host_overhead"
+DEFAULT_STEPS="call_path gpu_bench linear_cross_entropy kernel_breakdown attention_precision tests verify replay host_overhead"
 STEPS=${STEPS:-"$DEFAULT_STEPS profiler_tests profile bench demo"}
 
 # wanted NAME: whether STEPS lists NAME.
@@ -85,6 +97,12 @@ step() {
 
 start=$SECONDS
 rc=0
+if compgen -G ".wheels/*.whl" > /dev/null; then
+  # Pure-Python peers (Liger-Kernel), installed beside the machine's torch and Triton.
+  "$PYTHON" -m pip install -q --no-deps --no-index --target "$FINAL/peers" .wheels/*.whl \
+    || rc=$?
+  export PYTHONPATH=$PYTHONPATH:$FINAL/peers
+fi
 {
   date -Is
   nvidia-smi || rc=$?
@@ -92,15 +110,26 @@ rc=0
 print("python", platform.python_version())
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 print("triton", triton.__version__)
-print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")' \
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
+from importlib import metadata
+try:
+    print("liger-kernel", metadata.version("liger-kernel"))
+except metadata.PackageNotFoundError:
+    print("liger-kernel not installed")' \
     || rc=$?
   "$PYTHON" -m opforge doctor || rc=$?
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 record env "$rc" "$start"
 
+step call_path "${CALL_PATH_TIMEOUT:-150}" "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 \
+  -rfE tests/test_call_path.py tests/test_cross_entropy.py -k "not property"
 step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
-  --sizes 8192x8192
+  --sizes 8192x8192 ${BENCH_ARGS:-}
+step linear_cross_entropy "${LINEAR_CE_TIMEOUT:-150}" "$PYTHON" \
+  benchmarks/linear_cross_entropy_memory.py --device cuda --out "$OUT"
+step kernel_breakdown "${BREAKDOWN_TIMEOUT:-150}" "$PYTHON" benchmarks/kernel_breakdown.py \
+  --out "$OUT" ${BREAKDOWN_ARGS:-}
 if wanted gpu_bench_tuned; then mkdir -p "$OUT/tuned"; fi
 OPFORGE_AUTOTUNE_CACHE="$OUT/autotune.json" OPFORGE_AUTOTUNE_MAX=${OPFORGE_AUTOTUNE_MAX:-6} \
   step gpu_bench_tuned "${TUNED_TIMEOUT:-300}" "$PYTHON" benchmarks/gpu_bench.py \
@@ -112,7 +141,7 @@ step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -p no:cacheprovider -n
   tests/test_moe_gating.py tests/test_embedding_dense_grad.py tests/test_autotune.py \
   tests/test_monitor.py::test_a_model_split_over_devices_is_analysed -k "not property"
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
-  --backend triton --cases samples --report "$OUT/verify"
+  --backend triton --cases samples --report "$OUT/verify" ${VERIFY_ARGS:-}
 step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
 step host_overhead "${HOST_TIMEOUT:-60}" "$PYTHON" benchmarks/host_overhead.py --device cuda \
   --calls 500 --repeats 5 --out "$OUT"
@@ -135,7 +164,7 @@ step matmul_tuning "${MATMUL_TUNING_TIMEOUT:-200}" "$PYTHON" benchmarks/matmul_t
 echo "=== summary"
 cat "$OUT/status.txt"
 cp "$OUT/status.txt" "$FINAL/status.txt"
-tar czf "$FINAL/gpu_results.tar.gz" -C "$OUT" . && rm -rf "$OUT"
+tar czf "$FINAL/gpu_results.tar.gz" -C "$OUT" . && rm -rf "$OUT" "$FINAL/peers"
 if [ "$failed" -ne 0 ]; then
   echo "$failed step(s) failed" >&2
   exit 1

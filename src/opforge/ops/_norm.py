@@ -67,6 +67,7 @@ ROWS_TILE = 4096
 LOOP_BLOCK = 4096
 SUM_BLOCK = 1024
 MIN_SUM_BLOCK = 64
+SUM_TILE = 4096  # partials a program of the sum loads per step
 # float32 variances below this (2^26 times the smallest normal) may have lost bits to
 # underflowing squares: such rows are summed again, scaled (as are rows whose variance
 # overflowed).
@@ -524,14 +525,21 @@ if triton is not None:
                 tl.store(partial_b + cols, sum_b, mask=cols < N)
 
     @triton.jit
-    def sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK: tl.constexpr):
-        # Column sums of the (P, N) partials in program order: deterministic.
+    def sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        # Column sums of the (P, N) partials, BLOCK_P rows a step in a fixed order
+        # (deterministic): one row a step left one load in flight, and a program's chain of
+        # P dependent loads was latency-bound.
+        parts = tl.arange(0, BLOCK_P)
         for block in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
             offsets = block * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < N
             total = tl.zeros([BLOCK], dtype=tl.float32)
-            for program in range(0, P):
-                total += tl.load(partial_ptr + program * N + offsets, mask=mask, other=0.0)
+            for start in range(0, P, BLOCK_P):
+                rows = start + parts
+                tile = tl.load(partial_ptr + rows[:, None] * N + offsets[None, :],
+                               mask=(rows < P)[:, None] & mask[None, :], other=0.0)
+                total += tl.sum(tile, axis=0)
             tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
 
 
@@ -619,6 +627,8 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
     # 8192-wide weight 8 programs on a 132-core GPU), at least 64 (256 B a row, coalesced).
     block = min(SUM_BLOCK, max(MIN_SUM_BLOCK, next_power_of_2(
         cdiv(cols, plan.hardware.core_count))))
+    parts = min(next_power_of_2(programs), max(1, SUM_TILE // block))
     for index, out in enumerate(sums):
         sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)),)](
-            partials[index * programs * cols:], out, programs, cols, BLOCK=block)
+            partials[index * programs * cols:], out, programs, cols, BLOCK_P=parts,
+            BLOCK=block)
