@@ -370,9 +370,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     """Chunk by chunk: the logits and their lse again, their gradient by
-    cross_entropy_backward (each row
-    weighted by the loss's gradient, divided by the rows counted for ``mean``), then both
-    products, grad_weight summed in float32."""
+    cross_entropy_backward (each row weighted by the loss's gradient, divided by the rows
+    counted for ``mean``), then both products, grad_weight summed in float32."""
     grad, (hidden, weight, target) = inputs[0], _dense(*inputs[1:])
     grad_hidden, grad_weight = outputs
     attrs = plan.attrs
