@@ -102,9 +102,12 @@ def _autograd_function(opdef: OpDef, below_autograd: Callable[[Any, Sequence[Any
                   else below_autograd(runner, args))
         if constants:
             ctx.mark_non_differentiable(*(result[index] for index in constants))
-        # An output without a gradient reaches the formula as None, not as zeros: a
-        # statistic's zeros were a fill kernel per backward, and each formula takes None.
-        ctx.set_materialize_grads(False)
+            # A statistic's gradient reaches the formula as None, not as zeros (a fill
+            # kernel per backward); an unused differentiable output still gets zeros.
+            ctx.set_materialize_grads(False)
+            ctx.differentiable = [(index, out.shape, out.dtype, out.device)
+                                  for index, out in enumerate(result)
+                                  if index not in constants]
         if opdef.setup_context_fn is not None:
             needs = ctx.needs_input_grad
             ctx.needs_input_grad = needs[1:]  # the runner is not an input
@@ -127,6 +130,11 @@ def _autograd_function(opdef: OpDef, below_autograd: Callable[[Any, Sequence[Any
                             if spec is not None and need else None
                             for spec, need in zip(ctx.input_specs,
                                                   ctx.needs_input_grad[1:])))
+        if constants:
+            grads = list(grads)
+            for index, shape, dtype, device in ctx.differentiable:
+                if grads[index] is None:
+                    grads[index] = torch.zeros(shape, dtype=dtype, device=device)
         needs = ctx.needs_input_grad
         ctx.needs_input_grad = needs[1:]  # the runner is not an input
         try:

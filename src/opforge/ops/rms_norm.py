@@ -388,11 +388,9 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[object
     ctx.residual = len(tensors) == 2
 
 
-def _backward(ctx: object, grad_y: torch.Tensor | None, grad_rstd: torch.Tensor | None,
+def _backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | None,
               grad_sum: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     x, rstd, weight = ctx.saved_tensors
-    if grad_y is None:  # add_rms_norm's sum alone was used
-        return grad_sum, grad_sum, None, None
     grad_x, grad_weight = RMS_NORM_BACKWARD(grad_y, x, rstd, weight,
                                                               ctx.eps)
     if grad_sum is not None:
