@@ -45,10 +45,10 @@ def test_odd_lengths_with_gqa_forward_and_backward(sq, sk, causal, backend):
     q, k, v = _qkv(1, 4, 2, sq, sk, 16, dtype=torch.bfloat16, seed=sq + sk)
     attrs = {"causal": causal}
     out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
-    assert_golden(ATTENTION, Case("odd", (q, k, v), attrs), (out, lse))
+    assert_golden(ATTENTION, Case("odd", (q, k, v, None), attrs), (out, lse))
     dout = torch.randn_like(q)
     grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    assert_golden(ATTENTION_BACKWARD, Case("odd", (dout, q, k, v, out, lse, None), attrs),
+    assert_golden(ATTENTION_BACKWARD, Case("odd", (dout, q, k, v, out, lse, None, None), attrs),
                   grads)
 
 
@@ -89,8 +89,8 @@ def _assert_both_passes_match_the_golden(qkv: list[torch.Tensor], causal: bool) 
         dout = torch.randn_like(q)
         grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
     opforge.clear_caches()
-    assert_golden(ATTENTION, Case("forced", (q, k, v), attrs), (out, lse))
-    assert_golden(ATTENTION_BACKWARD, Case("forced", (dout, q, k, v, out, lse, None), attrs),
+    assert_golden(ATTENTION, Case("forced", (q, k, v, None), attrs), (out, lse))
+    assert_golden(ATTENTION_BACKWARD, Case("forced", (dout, q, k, v, out, lse, None, None), attrs),
                   grads)
 
 
@@ -127,7 +127,7 @@ def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, pack, monkeypatc
     costs = kernel_costs(plan)  # what the profiler gives each of the two kernels
     assert costs["_attention_forward_kernel"][0] == plan.cost.flops
     assert costs["_attention_merge_kernel"][1] > 0
-    assert_golden(ATTENTION, Case("splits", (q, k, v), {"causal": causal}), (out, lse))
+    assert_golden(ATTENTION, Case("splits", (q, k, v, None), {"causal": causal}), (out, lse))
     if causal and sq > sk:
         assert (lse[:, :, :sq - sk] == -math.inf).all() and (out[:, :, :sq - sk] == 0).all()
 
@@ -272,7 +272,7 @@ def test_any_scale_sign_matches_the_golden(scale, causal, backend):
     that see no key included (Sq > Sk): their lse is -inf, as the golden's."""
     q, k, v = _qkv(1, 2, 1, 23, 17, 24)
     out, lse = opforge.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    assert_golden(ATTENTION, Case("scale", (q, k, v), {"causal": causal, "scale": scale}),
+    assert_golden(ATTENTION, Case("scale", (q, k, v, None), {"causal": causal, "scale": scale}),
                   (out, lse))
 
 
@@ -326,7 +326,7 @@ def test_autograd_matches_float64_including_the_lse_path(causal, backend):
         return out.double().square().sum() + (lse.double() * weights).sum()
 
     def loss64(q, k, v):
-        out, lse = ATTENTION.reference_fn(q, k, v, compute_dtype=torch.float64,
+        out, lse = ATTENTION.reference_fn(q, k, v, None, compute_dtype=torch.float64,
                                           causal=causal, scale=None)
         return out.square().sum() + (lse * weights).sum()
 
@@ -342,17 +342,22 @@ def test_autograd_matches_float64_including_the_lse_path(causal, backend):
 def test_torch_backend_in_query_chunks_equals_the_whole(causal, monkeypatch):
     """The torch backend bounds its score matrices by chunks of query rows: one row at a
     time gives the whole matrix's out, lse, gradients and error magnitudes (Sq > Sk causal:
-    the chunks' masks keep their rows' offsets; GQA: dK and dV summed over chunks)."""
+    the chunks' masks keep their rows' offsets; GQA: dK and dV summed over chunks; a
+    per-query mask sliced with its rows)."""
     from opforge.ops import attention
 
     q, k, v = _qkv(2, 4, 2, 13, 9, 16, dv=8, seed=11)
-    dout = torch.randn(2, 4, 13, 8, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    generator = torch.Generator().manual_seed(12)
+    dout = torch.randn(2, 4, 13, 8, generator=generator).to(DEVICE)
+    mask = (torch.rand(2, 1, 13, 9, generator=generator) > 0.3).to(DEVICE)
 
     def everything() -> list[torch.Tensor]:
         with opforge.use_backend("torch"):
-            out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True)
-            grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal)
-        magnitudes = attention._backward_terms(dout, q, k, v, out, lse, None,
+            out, lse = opforge.attention(q, k, v, causal=causal, return_lse=True,
+                                         attn_mask=mask)
+            grads = opforge.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               attn_mask=mask)
+        magnitudes = attention._backward_terms(dout, q, k, v, out, lse, None, mask,
                                                compute_dtype=torch.float64, causal=causal,
                                                scale=None, magnitudes=True)
         return [out, lse, *grads, *magnitudes]
@@ -390,7 +395,7 @@ def test_works_under_torch_compile():
 
 def test_opcheck():
     q, k, v = _qkv(1, 2, 1, 5, 7, 16, seed=13)
-    torch.library.opcheck(torch.ops.opforge.attention, (q, k, v, True, None))
+    torch.library.opcheck(torch.ops.opforge.attention, (q, k, v, None, True, None))
 
 
 @pytest.mark.parametrize("shapes, error, param", [
@@ -518,4 +523,4 @@ def test_descriptor_tilings_fall_back_to_pointers_for_int64_offsets(monkeypatch,
     assert usable or DEVICE.type == "cuda"
     assert all(options["DESCRIPTORS"] is (usable and not wide) and options["WIDE"] is wide
                for _, options in kernels)
-    assert_golden(ATTENTION, Case("descriptors", (q, k, v), {"causal": True}), (out, lse))
+    assert_golden(ATTENTION, Case("descriptors", (q, k, v, None), {"causal": True}), (out, lse))

@@ -368,7 +368,7 @@ def test_on_a_cuda_profile_autotuning_may_choose_the_descriptor_attention(monkey
             plan = opforge.plan("attention", q, k, v, causal=True)
             out, lse = plan.run(q, k, v)
     assert autotune.describe(plan.tiling) == names[winner]
-    assert_golden(plan.op, Case("descriptors", (q, k, v), {"causal": True}), (out, lse))
+    assert_golden(plan.op, Case("descriptors", (q, k, v, None), {"causal": True}), (out, lse))
 
 
 @pytest.mark.parametrize("field, value", [

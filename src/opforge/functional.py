@@ -23,6 +23,7 @@ import opforge.ops.rms_norm
 import opforge.ops.rope
 import opforge.ops.sigmoid
 import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
+from opforge.core.errors import AttrError, ShapeError
 from opforge.core.registry import functionals
 from opforge.library import call
 
@@ -193,8 +194,43 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
     return call("rope", x, cos, sin, mode)
 
 
+ATTENTION_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+
+
+def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
+    """A view of ``t`` in ``layout`` as ``(B, N, S, D)`` (no copy)."""
+    if t.dim() != (4 if layout in ("BNSD", "BSND") else 3):
+        raise ShapeError(f"must be {'4' if layout in ('BNSD', 'BSND') else '3'}-D in layout "
+                         f"{layout}", op="attention", param=name, expected=layout,
+                         got=tuple(t.shape))
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if heads is None or heads < 1 or t.shape[-1] % heads:
+        raise ShapeError(f"layout {layout} needs a head count dividing the last dim",
+                         op="attention", param=name, expected="H = heads x D",
+                         got=(tuple(t.shape), heads))
+    if layout == "SBH":
+        t = t.transpose(0, 1)
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """`_to_bnsd` undone on an output ``(B, N, S, D)``."""
+    if layout == "BNSD":
+        return t
+    t = t.transpose(1, 2)
+    if layout == "BSND":
+        return t
+    t = t.flatten(-2)
+    return t.transpose(0, 1) if layout == "SBH" else t
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None, return_lse: bool = False
+              scale: float | None = None, return_lse: bool = False, *,
+              attn_mask: torch.Tensor | None = None, layout: str = "BNSD",
+              heads: int | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
     matrix in memory); the torch backend (the CPU development path) holds the score
@@ -202,31 +238,61 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     Args:
         q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, one float
-            dtype, ``H`` a multiple of ``Hkv`` (grouped-query attention), ``D, Dv <= 256``.
+            dtype, ``H`` a multiple of ``Hkv`` (grouped-query attention), ``D, Dv <= 256``
+            (in ``layout``: see below).
         causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (aligned to the bottom-right as
             in FlashAttention and KV-cache decoding; torch's SDPA ``is_causal`` aligns
-            top-left, the same only when ``Sq == Sk``). A query that sees no key gets 0.
+            top-left, the same only when ``Sq == Sk``).
         scale: score scale, ``1 / sqrt(D)`` when None.
         return_lse: also return the float32 (for float64 inputs float64) natural-log
-            log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` (``-inf`` for a query
-            that sees no key). A NaN or +inf score (a NaN input, an overflowed ``q.k``)
-            makes its row's out and lse NaN.
+            log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` in every layout
+            (``-inf`` for a query that sees no key). A NaN or +inf score (a NaN input, an
+            overflowed ``q.k``) makes its row's out and lse NaN.
+        attn_mask: broadcastable to ``(B, H, Sq, Sk)`` (a lower rank is aligned to the
+            right, as in torch): bool, True where the query sees the key (torch SDPA's
+            convention), or float (q's dtype or float32), added to the scaled scores
+            (``-inf`` hides a key). Combined with ``causal``. The kernels read it per tile
+            (broadcast dims are not expanded in memory); it gets no gradient. A query
+            whose keys are all hidden gets ``out = 0`` and ``lse = -inf`` (torch's SDPA
+            gives NaN there).
+        layout: ``"BNSD"`` (the shapes above), ``"BSND"`` (``(B, S, N, D)``, as Hugging
+            Face models hold them), ``"BSH"`` (``(B, S, N * D)``) or ``"SBH"``
+            (``(S, B, N * D)``); ``out`` comes back in the same layout. Views, no copies.
+        heads: the query head count ``N``, needed by ``"BSH"`` and ``"SBH"`` (the key and
+            value heads follow from q's head dim).
 
     Returns:
-        ``out`` ``(B, H, Sq, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k,
-        v (and through lse).
+        ``out`` (``(B, H, Sq, Dv)`` in BNSD) in q's dtype, or ``(out, lse)``.
+        Differentiable in q, k, v (and through lse).
 
     Raises:
-        ShapeError: not 4-D, mismatched batch/lengths/head dims, heads not grouped, a head
-            dim above 256. DtypeError: q, k, v of different or unsupported dtypes.
+        ShapeError: a rank that does not fit the layout, mismatched batch/lengths/head
+            dims, heads not grouped, a head dim above 256, a mask that does not broadcast,
+            a packed layout without ``heads``. DtypeError: q, k, v of different or
+            unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout.
     """
-    out, lse = call("attention", q, k, v, causal, scale)
+    if layout not in ATTENTION_LAYOUTS:
+        raise AttrError("unknown layout", op="attention", param="layout",
+                        expected=" | ".join(ATTENTION_LAYOUTS), got=layout)
+    if layout in ("BSH", "SBH"):
+        head_dim = q.shape[-1] // heads if heads else None
+        kv_heads = k.shape[-1] // head_dim if head_dim else None
+        q = _to_bnsd(q, layout, heads, "q")
+        k, v = (_to_bnsd(t, layout, kv_heads, name) for t, name in ((k, "k"), (v, "v")))
+    else:
+        q, k, v = (_to_bnsd(t, layout, None, name) for t, name in ((q, "q"), (k, "k"),
+                                                                      (v, "v")))
+    if attn_mask is not None and 0 < attn_mask.dim() < 4:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    out, lse = call("attention", q, k, v, attn_mask, causal, scale)
+    out = _from_bnsd(out, layout)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
-                       scale: float | None = None, grad_lse: torch.Tensor | None = None
+                       scale: float | None = None, grad_lse: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of `attention`, recomputed from the saved ``out`` and ``lse``.
 
@@ -234,12 +300,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     of those keys: the result is that block's share of dq and its dk, dv (ring attention
     sums the dq shares). ``causal`` then applies to the block's own positions
     (``Sk - Sq`` offset). ``grad_lse``: the gradient reaching ``lse``, if any.
+    ``attn_mask``: the forward's, 4-D (each dim 1 or full).
 
     Raises:
         ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
             ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs).
     """
-    return call("attention_backward", dout, q, k, v, out, lse, grad_lse, causal, scale)
+    return call("attention_backward", dout, q, k, v, out, lse, grad_lse, attn_mask, causal,
+                scale)
 
 
 def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,

@@ -67,6 +67,7 @@ from opforge.core.opdef import (
     Specs,
     TensorArg,
     Tiling,
+    dtype_name,
 )
 from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import (
@@ -103,6 +104,9 @@ except ImportError:  # pragma: no cover
 MAX_HEAD_DIM = 256
 LOG2_E = 1.4426950408889634
 CAUSAL = Attr("causal", "bool", False, doc="mask keys after i + Sk - Sq (bottom-right)")
+MASK = TensorArg("mask", dtypes=(torch.bool, torch.float32, torch.float16, torch.bfloat16,
+                                 torch.float64), optional=True,
+                 doc="(B|1, H|1, Sq|1, Sk|1): bool (True: seen) or added to the scores")
 SCALE = Attr("scale", "float", None, doc="score scale; None: 1 / sqrt(D)")
 
 
@@ -140,6 +144,33 @@ def _shapes(q: object, k: object, v: object, op: str) -> tuple[int, ...]:
     return b, h, hkv, sq, sk, d, dv
 
 
+MASK_KINDS = {None: 0, torch.bool: 1}  # every float mask: 2 (added to the scores)
+
+
+def _mask_kind(mask: object) -> int:
+    """0: no mask; 1: boolean (True: the query sees the key); 2: additive (float)."""
+    return MASK_KINDS.get(None if mask is None else mask.dtype, 2)
+
+
+def _check_mask(op: str, q: object, mask: object, full: tuple[int, ...]) -> None:
+    """A mask is 4-D, each dim 1 (broadcast) or the attention's ``(B, H, Sq, Sk)``; a
+    float mask has q's dtype or float32.
+
+    Raises:
+        ShapeError: another rank or size. DtypeError: another float dtype.
+    """
+    if mask is None:
+        return
+    if mask.dtype != torch.bool and mask.dtype not in (q.dtype, torch.float32):
+        raise DtypeError("a float mask must have q's dtype or float32", op=op, param="mask",
+                         expected=f"bool | {dtype_name(q.dtype)} | float32",
+                         got=dtype_name(mask.dtype))
+    if len(mask.shape) != 4 or any(size not in (1, want)
+                                   for size, want in zip(mask.shape, full, strict=True)):
+        raise ShapeError("must broadcast to (B, H, Sq, Sk): each dim 1 or full", op=op,
+                         param="mask", expected=full, got=tuple(mask.shape))
+
+
 def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> None:
     for name, spec in named:
         if spec is not None and spec.dtype != first.dtype:
@@ -149,15 +180,16 @@ def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> 
 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
-    q, k, v = inputs
+    q, k, v, mask = inputs
     check_scalar("attention", "scale", attrs["scale"], inputs)
     _same_dtype("attention", q, (("k", k), ("v", v)))
-    if not any(is_unknown_rank(t.shape) for t in inputs):
-        _shapes(q, k, v, "attention")
+    if not any(is_unknown_rank(t.shape) for t in inputs if t is not None):
+        b, h, _, sq, sk, _, _ = _shapes(q, k, v, "attention")
+        _check_mask("attention", q, mask, (b, h, sq, sk))
 
 
 def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
-    q, _, v = inputs
+    q, _, v, _ = inputs
     b, h, sq = q.shape[:3]
     return [(b, h, sq, v.shape[3]), (b, h, sq)]
 
@@ -183,7 +215,13 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     item = inputs[0].itemsize
     return Cost(flops=2 * pairs * (d + dv),
                 bytes_moved=item * (b * h * sq * (d + dv) + b * hkv * sk * (d + dv))
-                + 4 * b * h * sq)
+                + 4 * b * h * sq + _mask_bytes(inputs[3]))
+
+
+def _mask_bytes(mask: object) -> int:
+    """A mask's distinct elements, read once (a mask broadcast over heads is re-read per
+    head from the cache)."""
+    return 0 if mask is None else math.prod(mask.shape) * mask.itemsize
 
 
 def _head_blocks(d: int, dv: int) -> tuple[int, int]:
@@ -368,25 +406,47 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
     def x(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return random_input(shape, dtype, device, generator, scale=scale)
 
-    return [
-        Case("b2h3_s37_d16", (x(2, 3, 37, 16), x(2, 3, 37, 16), x(2, 3, 37, 16))),
-        Case("causal_s37", (x(1, 2, 37, 32), x(1, 2, 37, 32), x(1, 2, 37, 32)),
+    def padding(b: int, h: int, sq: int, sk: int, valid: Sequence[int]) -> torch.Tensor:
+        """A bool mask ``(B, H, Sq, Sk)`` hiding the keys of each batch entry past its
+        valid length (a right-padded batch)."""
+        lengths = torch.tensor(valid, device=device)[:, None, None, None]
+        return (torch.arange(sk, device=device) < lengths).expand(b, h, sq, sk)
+
+    def bias(*shape: int) -> torch.Tensor:
+        """An additive mask: ALiBi-like slopes with a third of the keys hidden (-inf)."""
+        drawn = random_input(shape, torch.float32, device, generator, scale=2.0)
+        return drawn.masked_fill(drawn > 1.0, -math.inf).to(dtype)
+
+    cases = [
+        Case("b2h3_s37_d16", (x(2, 3, 37, 16), x(2, 3, 37, 16), x(2, 3, 37, 16), None)),
+        Case("causal_s37", (x(1, 2, 37, 32), x(1, 2, 37, 32), x(1, 2, 37, 32), None),
              {"causal": True}),
-        Case("gqa_4_over_2", (x(1, 4, 19, 64), x(1, 2, 45, 64), x(1, 2, 45, 64))),
-        Case("causal_decode_sq3_sk70", (x(1, 2, 3, 64), x(1, 2, 70, 64), x(1, 2, 70, 64)),
-             {"causal": True}),
+        Case("gqa_4_over_2", (x(1, 4, 19, 64), x(1, 2, 45, 64), x(1, 2, 45, 64), None)),
+        Case("causal_decode_sq3_sk70", (x(1, 2, 3, 64), x(1, 2, 70, 64), x(1, 2, 70, 64),
+                                        None), {"causal": True}),
         Case("causal_sq_longer_than_sk", (x(1, 1, 40, 16), x(1, 1, 24, 16),
-                                          x(1, 1, 24, 16)), {"causal": True}),
-        Case("d_v_differs_d100_dv40", (x(1, 2, 33, 100), x(1, 2, 29, 100), x(1, 2, 29, 40)),
-             {"scale": 0.05}),
-        Case("d256", (x(1, 1, 20, 256), x(1, 1, 20, 256), x(1, 1, 20, 256))),
+                                          x(1, 1, 24, 16), None), {"causal": True}),
+        Case("d_v_differs_d100_dv40", (x(1, 2, 33, 100), x(1, 2, 29, 100), x(1, 2, 29, 40),
+                                       None), {"scale": 0.05}),
+        Case("d256", (x(1, 1, 20, 256), x(1, 1, 20, 256), x(1, 1, 20, 256), None)),
         Case("peaked_scores", (x(1, 2, 24, 32, scale=4.0), x(1, 2, 24, 32, scale=4.0),
-                               x(1, 2, 24, 32)), {"causal": True}),
+                               x(1, 2, 24, 32), None), {"causal": True}),
         Case("transposed_q", (x(1, 17, 2, 32).transpose(1, 2), x(1, 2, 17, 32),
-                              x(1, 2, 17, 32))),
-        Case("zero_keys", (x(1, 2, 5, 16), x(1, 2, 0, 16), x(1, 2, 0, 16))),
-        Case("zero_queries", (x(1, 2, 0, 16), x(1, 2, 9, 16), x(1, 2, 9, 16))),
+                              x(1, 2, 17, 32), None)),
+        Case("zero_keys", (x(1, 2, 5, 16), x(1, 2, 0, 16), x(1, 2, 0, 16), None)),
+        Case("zero_queries", (x(1, 2, 0, 16), x(1, 2, 9, 16), x(1, 2, 9, 16), None)),
+        # Masks: padded keys (one entry with no valid key: its rows give 0), broadcast
+        # over heads and queries, with GQA; an additive mask per head and query.
+        Case("bool_padding_gqa", (x(3, 4, 21, 32), x(3, 2, 21, 32), x(3, 2, 21, 32),
+                                  padding(3, 1, 1, 21, (21, 9, 0)))),
+        Case("bool_padding_causal", (x(2, 2, 19, 16), x(2, 2, 19, 16), x(2, 2, 19, 16),
+                                     padding(2, 1, 19, 19, (19, 6))), {"causal": True}),
+        Case("additive_per_head", (x(1, 3, 23, 32), x(1, 3, 40, 32), x(1, 3, 40, 32),
+                                   bias(1, 3, 23, 40))),
+        Case("additive_float32_decode", (x(2, 4, 2, 64), x(2, 1, 70, 64), x(2, 1, 70, 64),
+                                         bias(2, 1, 2, 70).float()), {"causal": True}),
     ]
+    return cases
 
 
 def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -403,14 +463,14 @@ def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     if kind == "long_rows":
         q, k, v = draw("normal", 1, 1, 3, 16), draw("normal", 1, 1, LONG_ROW, 16), \
             draw("normal", 1, 1, LONG_ROW, 16)
-        return [Case("", (q, k, v)), Case("causal", (q, k, v), {"causal": True})]
+        return [Case("", (q, k, v, None)), Case("causal", (q, k, v, None), {"causal": True})]
     seq, dim = min(shape[0], 130), (min(shape[-1], 64) if len(shape) > 1 else 16)
     if kind == "masked_rows":
         keys = max(1, seq // 2)
         return [Case("causal", (draw("normal", 1, 2, seq, dim), draw("normal", 1, 2, keys, dim),
-                                draw("normal", 1, 2, keys, dim)), {"causal": True})]
+                                draw("normal", 1, 2, keys, dim), None), {"causal": True})]
     q, k, v = (draw(kind, 1, 2, seq, dim) for _ in range(3))
-    return [Case("", (q, k, v)), Case("causal", (q, k, v), {"causal": True})]
+    return [Case("", (q, k, v, None)), Case("causal", (q, k, v, None), {"causal": True})]
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -426,16 +486,21 @@ def causal_mask(sq: int, sk: int, device: torch.device | str | None = None,
     return torch.arange(sk, device=device)[None, :] <= queries + (sk - sq)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,
-            compute_dtype: torch.dtype, rows: slice | None = None) -> torch.Tensor:
-    """Scaled scores in ``compute_dtype``, masked keys at -inf; of the query rows ``rows``
-    only when given."""
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+            scale: float | None, compute_dtype: torch.dtype, rows: slice | None = None
+            ) -> torch.Tensor:
+    """Scaled scores in ``compute_dtype`` plus an additive ``mask``, keys a boolean or the
+    causal mask hides at -inf; of the query rows ``rows`` only when given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sq = q.shape[2]
-    if rows is not None:
-        q = q[:, :, rows]
-    q, k = q.to(compute_dtype), _expand_heads(k, q.shape[1]).to(compute_dtype)
+    rows = slice(0, sq) if rows is None else rows
+    q = q[:, :, rows].to(compute_dtype)
+    k = _expand_heads(k, q.shape[1]).to(compute_dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool \
+            else scores + mask.to(compute_dtype)
     if causal:
         scores = scores.masked_fill(~causal_mask(sq, k.shape[2], q.device, rows), -math.inf)
     return scores
@@ -466,8 +531,8 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
     rounds terms of size ``sum_j p_j |v_j|``; a score error ``e_j`` (relative to
     ``|scale| sum_d |q_d k_jd|``) moves ``out`` by ``sum_j p_j e_j (v_j - out)`` and
     ``lse`` by ``sum_j p_j e_j``. Rows that see no key get 1."""
-    q, k, v = inputs[:3]
-    scores = _scores(q, k, attrs["causal"], attrs["scale"], torch.float64)
+    q, k, v, mask = inputs[:4]
+    scores = _scores(q, k, mask, attrs["causal"], attrs["scale"], torch.float64)
     lse = torch.logsumexp(scores, -1, keepdim=True)
     p = _probabilities(scores, lse)
     scale = abs(q.shape[-1] ** -0.5 if attrs["scale"] is None else attrs["scale"])
@@ -485,20 +550,25 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
                        torch.ones_like(result))
 
 
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch SDPA (bottom-right mask given explicitly) and logsumexp of the scores in the
-    inputs' dtype"""
+def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, causal: bool, scale: float | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch SDPA (the bottom-right causal mask given explicitly, combined with ``mask``)
+    and logsumexp of the scores in the inputs' dtype"""
     heads = q.shape[1]
     keys, values = _expand_heads(k, heads), _expand_heads(v, heads)
-    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                           scale=scale)
-    scores = _scores(q, k, causal, scale, q.dtype)
+    combined = mask.to(q.dtype) if mask is not None and mask.dtype != torch.bool else mask
+    if causal:
+        visible = causal_mask(q.shape[2], k.shape[2], q.device)
+        combined = visible if combined is None else (
+            combined & visible if combined.dtype == torch.bool
+            else combined.masked_fill(~visible, -math.inf))
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values,
+                                                           attn_mask=combined, scale=scale)
+    scores = _scores(q, k, mask, causal, scale, q.dtype)
     lse = torch.logsumexp(scores.float(), -1)
-    if causal:  # SDPA gives NaN for a query that sees no key; opforge gives 0.
-        out = torch.where(mask.any(-1)[:, None], out, torch.zeros_like(out))
-    return out, lse
+    # SDPA gives NaN for a query that sees no key; opforge gives 0.
+    return torch.where((lse == -math.inf)[..., None], 0.0, out).to(q.dtype), lse
 
 
 CANCELLING_TERMS = KnownLimitation(
@@ -534,13 +604,13 @@ def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """Causal self-attention with q, k and v of ``shape = (B, H, S, D)``."""
     q, k, v = (generate("normal", shape, dtype, device=device, generator=generator)
                for _ in range(3))
-    return Case("causal", (q, k, v), {"causal": True})
+    return Case("causal", (q, k, v, None), {"causal": True})
 
 
 ATTENTION = OpDef(
     name="attention", doc="Flash-style scaled dot-product attention [B, H, S, D] with GQA "
                           "and bottom-right causal masking; out and the float32 lse.",
-    inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v")),
+    inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v"), MASK),
     outputs=(OutputArg("out"), OutputArg("lse")), attrs=(CAUSAL, SCALE),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
     tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
@@ -554,14 +624,15 @@ ATTENTION = OpDef(
 
 
 def _check_backward(inputs: Specs, attrs: Attrs) -> None:
-    dout, q, k, v, out, lse, grad_lse = inputs
+    dout, q, k, v, out, lse, grad_lse, mask = inputs
     op = "attention_backward"
     check_scalar(op, "scale", attrs["scale"], inputs)
     _same_dtype(op, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
     check_statistics(op, q, [("lse", lse), ("grad_lse", grad_lse)])
     if any(is_unknown_rank(t.shape) for t in inputs if t is not None):
         return
-    b, h, _, sq, _, _, dv = _shapes(q, k, v, op)
+    b, h, _, sq, sk, _, dv = _shapes(q, k, v, op)
+    _check_mask(op, q, mask, (b, h, sq, sk))
     for name, spec, shape in (("dout", dout, (b, h, sq, dv)), ("out", out, (b, h, sq, dv)),
                               ("lse", lse, (b, h, sq)), ("grad_lse", grad_lse, (b, h, sq))):
         if spec is not None and tuple(spec.shape) != shape:
@@ -581,11 +652,11 @@ def _backward_sides(inputs: Specs, attrs: Attrs) -> dict[str, Cost]:
     """Per visible pair, the query side computes S, dP and dQ (2D + Dv multiply-adds) and the
     key side S, dV, dP and dK (2D + 2Dv); the query side reads q, dout, out, lse and every
     key and value once and writes dq and delta, the key side reads q, dout, lse, delta and
-    every key and value, and writes dk and dv."""
+    every key and value, and writes dk and dv; each reads the mask."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
     pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
     item = inputs[1].itemsize
-    statistics = 2 * b * h * sq * 4
+    statistics = 2 * b * h * sq * 4 + _mask_bytes(inputs[7])
     keys = b * hkv * sk * (d + dv) * item
     return {"_attention_query_side_kernel": Cost(
                 2 * pairs * (2 * d + dv), b * h * sq * (2 * d + 2 * dv) * item + keys + statistics),
@@ -602,11 +673,12 @@ def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
 def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     """The two kernels' products (S and dP recomputed on each side: 4D + 3Dv multiply-adds
     per visible pair); every input read once and the gradients written once (the kernels
-    each read the keys and values: the sum of their bytes counts those twice)."""
+    each read the keys, the values and the mask: the sum of their bytes counts those
+    twice)."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
     item = inputs[1].itemsize
     query_side = b * h * sq * (2 * d + 2 * dv) * item + 2 * b * h * sq * 4
-    key_side = b * hkv * sk * 2 * (d + dv) * item
+    key_side = b * hkv * sk * 2 * (d + dv) * item + _mask_bytes(inputs[7])
     flops = sum(cost.flops for cost in _backward_sides(inputs, attrs).values())
     return Cost(flops=flops, bytes_moved=query_side + key_side)
 
@@ -630,18 +702,19 @@ def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, ou
     return 4 * b * h * sq
 
 
-def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                     scale: float | None, generator: torch.Generator,
-                     with_grad_lse: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """(dout, q, k, v, out, lse, grad_lse): out and lse from the float64 forward rounded
-    to their dtypes, dout drawn like q."""
-    out, lse = reference(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
+def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, causal: bool, scale: float | None,
+                     generator: torch.Generator, with_grad_lse: bool = False
+                     ) -> tuple[torch.Tensor | None, ...]:
+    """(dout, q, k, v, out, lse, grad_lse, mask): out and lse from the float64 forward
+    rounded to their dtypes, dout drawn like q."""
+    out, lse = reference(q.double(), k.double(), v.double(), mask, compute_dtype=torch.float64,
                          causal=causal, scale=scale)
     dout = torch.randn(out.shape, generator=generator).to(q.device, q.dtype)
     statistics = statistics_dtype(q.dtype)
     grad_lse = torch.randn(lse.shape, generator=generator).to(q.device, statistics) \
         if with_grad_lse else None
-    return dout, q, k, v, out.to(q.dtype), lse.to(statistics), grad_lse
+    return dout, q, k, v, out.to(q.dtype), lse.to(statistics), grad_lse, mask
 
 
 def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -653,8 +726,8 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
                                                       generator=generator), case.attrs))
     q, k, v = (random_input((1, 2, 21, 32), dtype, device, generator, scale=1.0)
                for _ in range(3))
-    cases.append(Case("with_grad_lse", _backward_inputs(q, k, v, True, None, generator, True),
-                      {"causal": True}))
+    cases.append(Case("with_grad_lse", _backward_inputs(q, k, v, None, True, None, generator,
+                                                        True), {"causal": True}))
     return cases
 
 
@@ -670,7 +743,7 @@ def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: 
                     golden: torch.Tensor, output: str) -> torch.Tensor:
     """The gradient formulas evaluated on magnitudes (``|dP| + |delta|`` in ``dS``), in
     float64: what each gradient's rounding errors are relative to."""
-    wide = [None if t is None else t.to(torch.float64) for t in inputs]
+    wide = [t if t is None or t.dtype == torch.bool else t.to(torch.float64) for t in inputs]
     grads = _backward_terms(*wide, compute_dtype=torch.float64, magnitudes=True, **attrs)
     result = grads[("grad_q", "grad_k", "grad_v").index(output)]
     return torch.where(result > 0, result, torch.ones_like(result))
@@ -678,12 +751,12 @@ def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: 
 
 def _torch_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                              grad_lse: torch.Tensor | None, causal: bool,
-                              scale: float | None) -> tuple[torch.Tensor, ...]:
+                              grad_lse: torch.Tensor | None, mask: torch.Tensor | None,
+                              causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
     """torch.autograd through SDPA and logsumexp in the inputs' dtype"""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
-        out, lse = _torch_attention(*leaves, causal, scale)
+        out, lse = _torch_attention(*leaves, mask, causal, scale)
         grads = [dout] if grad_lse is None else [dout, grad_lse]
         return torch.autograd.grad((out, lse)[:len(grads)], leaves, grads)
 
@@ -693,7 +766,7 @@ ATTENTION_BACKWARD = OpDef(
                                    "lse; valid on one key block at a time.",
     inputs=(TensorArg("dout"), TensorArg("q"), TensorArg("k"), TensorArg("v"),
             TensorArg("out"), TensorArg("lse", dtypes=STATISTICS_DTYPES),
-            TensorArg("grad_lse", dtypes=STATISTICS_DTYPES, optional=True)),
+            TensorArg("grad_lse", dtypes=STATISTICS_DTYPES, optional=True), MASK),
     outputs=(OutputArg("grad_q"), OutputArg("grad_k"), OutputArg("grad_v")),
     attrs=(CAUSAL, SCALE), infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check_backward, cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,
@@ -710,8 +783,8 @@ ATTENTION_BACKWARD = OpDef(
 
 
 @ATTENTION.reference
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              compute_dtype: torch.dtype, causal: bool, scale: float | None
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              *, compute_dtype: torch.dtype, causal: bool, scale: float | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype``, the score
     matrix of a bounded chunk of query rows at a time (`_query_chunks`)."""
@@ -719,7 +792,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = values.new_empty((*q.shape[:3], v.shape[3]))
     lse = values.new_empty(q.shape[:3])
     for rows in _query_chunks(q, k.shape[2]):
-        scores = _scores(q, k, causal, scale, compute_dtype, rows)
+        scores = _scores(q, k, mask, causal, scale, compute_dtype, rows)
         lse[:, :, rows] = _undefined_as_nan(torch.logsumexp(scores, -1))
         out[:, :, rows] = torch.matmul(_probabilities(scores, lse[:, :, rows, None]), values)
     return out, lse
@@ -733,9 +806,9 @@ def _undefined_as_nan(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, *,
-                    compute_dtype: torch.dtype, causal: bool, scale: float | None,
-                    magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
+                    out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+                    mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
+                    scale: float | None, magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them, a
     bounded chunk of query rows at a time (dK and dV summed over the chunks);
     ``magnitudes``: every term by its absolute value."""
@@ -755,7 +828,7 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     grad_q = torch.empty_like(q)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     for rows in _query_chunks(q, k.shape[2]):
-        p = _probabilities(_scores(q, k, causal, scale, compute_dtype, rows),
+        p = _probabilities(_scores(q, k, mask, causal, scale, compute_dtype, rows),
                            lse[:, :, rows, None])
         if magnitudes:
             # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e):
@@ -778,12 +851,12 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 @ATTENTION_BACKWARD.reference
 def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, *,
-                       compute_dtype: torch.dtype, causal: bool, scale: float | None
-                       ) -> tuple[torch.Tensor, ...]:
+                       out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+                       mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
+                       scale: float | None) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in ``compute_dtype`` from the saved ``out`` and ``lse``."""
-    return _backward_terms(dout, q, k, v, out, lse, grad_lse, compute_dtype=compute_dtype,
-                           causal=causal, scale=scale)
+    return _backward_terms(dout, q, k, v, out, lse, grad_lse, mask,
+                           compute_dtype=compute_dtype, causal=causal, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -829,6 +902,28 @@ if triton is not None:
         return visible
 
     @triton.jit
+    def _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK: tl.constexpr,
+                    TRANSPOSED: tl.constexpr):
+        """The mask's term of a tile of log2-domain scores: 0 where a boolean mask (MASK 1)
+        shows the key and -inf where it hides it, or an additive mask (MASK 2) times
+        log2(e). ``mask_rows`` points at each query's row of the mask, ``row_ok`` says the
+        query exists; queries x keys, or keys x queries when ``TRANSPOSED``."""
+        if TRANSPOSED:
+            ptrs = mask_rows[None, :] + cols[:, None] * stride_mn
+            ok = row_ok[None, :] & (cols < Sk)[:, None]
+        else:
+            ptrs = mask_rows[:, None] + cols[None, :] * stride_mn
+            ok = row_ok[:, None] & (cols < Sk)[None, :]
+        if MASK == 1:
+            bias = tl.where(tl.load(ptrs, mask=ok, other=0) != 0, 0.0, NEG_INF)
+        else:
+            bias = tl.load(ptrs, mask=ok, other=0.0)
+            if bias.dtype != tl.float64:
+                bias = widen(bias)
+            bias = bias * LOG2E
+        return bias
+
+    @triton.jit
     def _rows_block(base, desc, first, stride_row, stride_col, limit, width,
                     TRANSPOSED: tl.constexpr, DESCRIPTORS: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
@@ -858,7 +953,8 @@ if triton is not None:
     @triton.jit
     def _forward_step(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
                       stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV,
-                      qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                      CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, FOLD_SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -867,7 +963,8 @@ if triton is not None:
         ``FOLD_SCALE`` (a positive scale, which commutes with the max) the block's max is
         taken of the raw products and scaled once per row, and each score's scaling and
         subtraction of the max are one FMA: one float32 operation less per score, the
-        unit that bounds the loop beside the tensor cores."""
+        unit that bounds the loop beside the tensor cores (a ``MASK``, added to the scaled
+        scores, rules the fold out)."""
         keys_t = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, True,
                              DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
         values = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV, False,
@@ -878,6 +975,9 @@ if triton is not None:
         else:
             scores = scores * qk_scale
             fold = 1.0
+        if MASK != 0:
+            scores += _score_bias(mask_rows, row_ok, first_col + tl.arange(0, BLOCK_N), Sk,
+                                  stride_mn, MASK, False)
         if MASKED:
             cols = first_col + tl.arange(0, BLOCK_N)
             scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
@@ -895,7 +995,8 @@ if triton is not None:
     @triton.jit
     def _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
                       stride_kd, stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV,
-                      qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                      CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                       FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -909,23 +1010,24 @@ if triton is not None:
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, FOLD_SCALE, BLOCK_N,
-                    BLOCK_D, BLOCK_DV)
+                    mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
+                    DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    CAUSAL, MASKED, UPCAST, PRECISION, DESCRIPTORS, FOLD_SCALE, BLOCK_N,
-                    BLOCK_D, BLOCK_DV)
+                    mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
+                    DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
     @triton.jit
     def _attention_forward_kernel(
-            q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset, heads,
-            keys_per_split, qk_scale, stride_qb, stride_qh, stride_qm, stride_qd, stride_kb,
-            stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, D,
-            DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset,
+            heads, keys_per_split, qk_scale, stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+            stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr,
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
             EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, FOLD_SCALE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -971,6 +1073,8 @@ if triton is not None:
             q = dot_operand(q_ptr + batch * stride_qb + (first_head + members)[:, None]
                             * stride_qh + queries[:, None] * stride_qm + dims[None, :]
                             * stride_qd, row_mask[:, None] & (dims < D)[None, :], UPCAST)
+            mask_rows = mask_ptr + batch * stride_mb + (first_head + members) * stride_mh \
+                + queries * stride_mm
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -983,14 +1087,15 @@ if triton is not None:
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           split_start, full_end, Sk, offset, D, DV, qk_scale,
-                                          CAUSAL, False, UPCAST, PRECISION, DESCRIPTORS,
-                                          WARP_SPECIALIZE, FOLD_SCALE, BLOCK_N, BLOCK_D,
-                                          BLOCK_DV)
+                                          mask_rows, row_mask, stride_mn, MASK, CAUSAL, False,
+                                          UPCAST, PRECISION, DESCRIPTORS, WARP_SPECIALIZE,
+                                          FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           masked_start, end, Sk, offset, D, DV, qk_scale,
-                                          CAUSAL, True, UPCAST, PRECISION, DESCRIPTORS, False,
-                                          FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                          mask_rows, row_mask, stride_mn, MASK, CAUSAL, True,
+                                          UPCAST, PRECISION, DESCRIPTORS, False, FOLD_SCALE,
+                                          BLOCK_N, BLOCK_D, BLOCK_DV)
             # Rows that see no key have l_i 0 exactly; a NaN l_i (NaN in the inputs) stays.
             seen = l_i != 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -1039,7 +1144,8 @@ if triton is not None:
     @triton.jit
     def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                          stride_kn, stride_kd, stride_vn, stride_vd, rows, start, end, Sk,
-                         offset, D, DV, qk_scale, like_ptr, CAUSAL: tl.constexpr,
+                         offset, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
+                         MASK: tl.constexpr, CAUSAL: tl.constexpr,
                          MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                          DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1051,6 +1157,8 @@ if triton is not None:
             values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
                                    True, DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
             scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
+            if MASK != 0:
+                scores += _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK, False)
             p = tl.exp2(scores - lse2[:, None])
             if MASKED:
                 p = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL), p,
@@ -1063,14 +1171,15 @@ if triton is not None:
     @triton.jit
     def _attention_query_side_kernel(
             dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, grad_lse_ptr, delta_ptr, dq_ptr,
-            Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
+            mask_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-            stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, D, DV,
-            CAUSAL: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
-            PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
-            EXACT_HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, stride_mb,
+            stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, EXACT_HEAD: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr):
         """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
         side), then dQ, the keys and values streamed (by tensor descriptor when
         ``DESCRIPTORS``)."""
@@ -1113,17 +1222,22 @@ if triton is not None:
                 delta -= tl.load(grad_lse_ptr + statistics, mask=row_mask)  # float32 statistic
             tl.store(delta_ptr + statistics, delta, mask=row_mask)  # float32 statistic
             lse2 = tl.load(lse_ptr + statistics, mask=row_mask, other=0.0)  # float32 statistic
-            lse2 = lse2 * LOG2E
+            # A query that sees no key (lse -inf) has P = 0: +inf makes exp2(s - lse) 0
+            # even where a mask put s at -inf.
+            lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)
+            mask_rows = mask_ptr + batch * stride_mb + h * stride_mh + rows * stride_mm
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             full_end, end = _key_ranges(first_row, first_row + BLOCK_M - 1, Sk, offset, CAUSAL,
                                         BLOCK_N)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
-                                  full_end, Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, False,
+                                  full_end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows,
+                                  row_mask, stride_mn, MASK, CAUSAL, False,
                                   UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, full_end,
-                                  end, Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, True,
+                                  end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
+                                  stride_mn, MASK, CAUSAL, True,
                                   UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
             dq_ptrs = dq_ptr + head * Sq * D + rows[:, None] * D + dims[None, :]
             tl.store(dq_ptrs, rounded_for(dq * scale, dq_ptr), mask=q_mask)
@@ -1132,6 +1246,7 @@ if triton is not None:
     def _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc,
                           lse_base, delta_base, stride_qm, stride_qd, stride_dm, stride_dd,
                           cols, start, end, Sq, Sk, offset, D, DV, qk_scale, like_ptr,
+                          mask_base, stride_mm, stride_mn, MASK: tl.constexpr,
                           CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
                           PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
                           BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -1149,9 +1264,12 @@ if triton is not None:
             dout = _rows_block(dout_base, dout_desc, first_row, stride_dm, stride_dd, Sq, DV,
                                False, DESCRIPTORS, UPCAST, BLOCK_Q, BLOCK_DV)
             lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
-            lse2 = lse2 * LOG2E
+            lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)  # no key seen: P = 0
             delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
             scores_t = tl.dot(keys, q_t, input_precision=PRECISION) * qk_scale
+            if MASK != 0:
+                scores_t += _score_bias(mask_base + rows * stride_mm, row_mask, cols, Sk,
+                                        stride_mn, MASK, True)
             p_t = tl.exp2(scores_t - lse2[None, :])
             if MASKED:
                 p_t = tl.where(_visible(rows[None, :], cols[:, None], Sk, offset, CAUSAL),
@@ -1166,11 +1284,12 @@ if triton is not None:
 
     @triton.jit
     def _attention_key_side_kernel(
-            dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, Sq, Sk, H,
-            HKV, GROUP, head_offset, qk_scale, scale,
+            dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr, Sq,
+            Sk, H, HKV, GROUP, head_offset, qk_scale, scale,
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-            stride_vn, stride_vd, D, DV, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
+            MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
             EXACT_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1216,6 +1335,7 @@ if triton is not None:
                 head = batch * H + hkv * GROUP + g
                 q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
                 dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
+                mask_base = mask_ptr + batch * stride_mb + (hkv * GROUP + g) * stride_mh
                 q_desc, dout_desc = descriptor_pair(q_base, Sq, D, stride_qm, dout_base, Sq, DV,
                                                     stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                                     BLOCK_Q, BLOCK_DV)
@@ -1223,14 +1343,16 @@ if triton is not None:
                                            dout_desc, lse_ptr + head * Sq,
                                            delta_ptr + head * Sq, stride_qm, stride_qd,
                                            stride_dm, stride_dd, cols, start, full_start, Sq,
-                                           Sk, offset, D, DV, qk_scale, q_ptr, CAUSAL, True,
+                                           Sk, offset, D, DV, qk_scale, q_ptr, mask_base,
+                                           stride_mm, stride_mn, MASK, CAUSAL, True,
                                            UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                            BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + head * Sq,
                                            delta_ptr + head * Sq, stride_qm, stride_qd,
                                            stride_dm, stride_dd, cols, full_start, Sq, Sq, Sk,
-                                           offset, D, DV, qk_scale, q_ptr, CAUSAL, False,
+                                           offset, D, DV, qk_scale, q_ptr, mask_base,
+                                           stride_mm, stride_mn, MASK, CAUSAL, False,
                                            UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                            BLOCK_DV)
             dk_ptrs = dk_ptr + kv_head * Sk * D + cols[:, None] * D + dims[None, :]
@@ -1266,6 +1388,15 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
             "WIDE": wide_offsets(*inputs), **chosen, **launch_options(plan.tiling)}
 
 
+def _mask_arguments(mask: torch.Tensor | None, like: torch.Tensor,
+                    full: tuple[int, int, int, int]) -> tuple[object, ...]:
+    """(pointer, its four strides over ``(B, H, Sq, Sk)``, 0 on broadcast dims) of a mask,
+    and its kind (`_mask_kind`); no mask: ``like``'s pointer, never read."""
+    if mask is None:
+        return like, (0, 0, 0, 0), 0
+    return mask, mask.expand(full).stride(), _mask_kind(mask)
+
+
 def _exact_head(options: dict[str, object], d: int, dv: int) -> bool:
     """Whether the head dims fill their blocks (64, 128, 256 do): the pointer kernels then
     take them as constants. The descriptor kernels have no column masks to fold, and the
@@ -1286,9 +1417,10 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     (then the merge kernel combines the slices from the workspace). The tiling's variant
     may read keys and values by tensor descriptor (and warp-specialize the key loop);
     inputs that descriptors cannot address take the pointer kernel."""
-    q, k, v = inputs
+    q, k, v, mask = inputs
     out, lse = outputs
     b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention")
+    mask, mask_strides, mask_kind = _mask_arguments(mask, q, (b, h, sq, sk))
     if sk == 0:
         out.zero_()
         lse.fill_(-math.inf)
@@ -1311,11 +1443,11 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     pack = _pack(plan.tiling, h, hkv)
     for first, count in _head_chunks(b * h // pack):
         _attention_forward_kernel[(plan.grid[0], count, splits)](
-            q, k, v, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split, qk_scale,
-            *q.stride(), *k.stride(), *v.stride(), d, dv, DESCRIPTORS=descriptors,
-            WARP_SPECIALIZE=warp_specialize,
+            q, k, v, mask, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split,
+            qk_scale, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
+            MASK=mask_kind, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
             EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
-            FOLD_SCALE=qk_scale > 0, **options)
+            FOLD_SCALE=qk_scale > 0 and mask_kind == 0, **options)
     if splits > 1:
         # Warps for the merge's float32 tiles (4 spill them at Dv = 128 on sm_90).
         warps = gpu_warps(MERGE_ROWS * options["BLOCK_DV"], plan.hardware)
@@ -1330,9 +1462,10 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     """The query-side kernel (delta, then dQ; ``BLOCK_M`` queries held, ``BLOCK_N`` keys
     streamed) over query blocks, then the key-side kernel (dK, dV; ``BLOCK_K`` keys held,
     ``BLOCK_Q`` queries streamed) over key blocks and key/value heads."""
-    dout, q, k, v, out, lse, grad_lse = inputs
+    dout, q, k, v, out, lse, grad_lse, mask = inputs
     grad_q, grad_k, grad_v = outputs
     b, h, hkv, sq, sk, d, dv = _shapes(q, k, v, "attention_backward")
+    mask, mask_strides, mask_kind = _mask_arguments(mask, q, (b, h, sq, sk))
     if sq == 0 or sk == 0:
         for grad in outputs:
             grad.zero_()
@@ -1356,15 +1489,15 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
-            sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(), *q.stride(),
-            *k.stride(), *v.stride(), *out.stride(), d, dv, HAS_GRAD_LSE=grad_lse is not None,
-            **query_side)
+            mask, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, d, dv,
+            MASK=mask_kind, HAS_GRAD_LSE=grad_lse is not None, **query_side)
     key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
-            dout, q, k, v, lse, delta, grad_k, grad_v, sq, sk, h, hkv, h // hkv, first,
-            scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(), d,
-            dv, **key_side)
+            dout, q, k, v, lse, delta, grad_k, grad_v, mask, sq, sk, h, hkv, h // hkv, first,
+            scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(),
+            *mask_strides, d, dv, MASK=mask_kind, **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1373,22 +1506,23 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
                    ) -> None:
-    q, k, v, causal, scale = inputs
+    q, k, v, mask, causal, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.causal, ctx.scale = causal, scale
 
 
 @ATTENTION.autograd(_setup_context)
 def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
              ) -> tuple[torch.Tensor | None, ...]:
-    """dq, dk, dv through `attention_backward` (a gradient of lse joins through delta)."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """dq, dk, dv through `attention_backward` (a gradient of lse joins through delta); the
+    mask gets none."""
+    q, k, v, out, lse, mask = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grad_q, grad_k, grad_v = ATTENTION_BACKWARD(
-        grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.scale)
-    return grad_q, grad_k, grad_v, None, None
+        grad_out, q, k, v, out, lse, grad_lse, mask, ctx.causal, ctx.scale)
+    return grad_q, grad_k, grad_v, None, None, None
 
 
 register_op(ATTENTION_BACKWARD)
