@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,dev,transformers]"
 	touch $(STAMP)
 
 run: $(STAMP)

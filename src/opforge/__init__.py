@@ -51,6 +51,7 @@ from opforge.functional import (
     sigmoid,
     softmax,
 )
+from opforge.hf import patch, unpatch
 from opforge.profiler import profile
 
 __version__ = "0.1.0"
@@ -104,6 +105,7 @@ __all__ = [
     "mla_prolog",
     "moe_gating_top_k",
     "moe_gating_top_k_softmax",
+    "patch",
     "plan",
     "profile",
     "profile_for",
@@ -116,6 +118,7 @@ __all__ = [
     "sigmoid",
     "softmax",
     "tuning_records",
+    "unpatch",
     "use_backend",
     "use_hardware",
     "workspace_stats",

@@ -1,0 +1,285 @@
+"""One call puts opforge's operators into a Hugging Face ``transformers`` model:
+``report = opforge.patch(model)``, undone by ``opforge.unpatch(model)``.
+
+What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
+
+- every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``, the
+  result in torch's promoted dtype of the input and the weight, as the module gives);
+- every SwiGLU MLP's activation by `opforge.silu` (``down(silu(gate(x)) * up(x))``);
+- the attention, through transformers' attention-interface registry under the name
+  ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
+  (padding, sliding windows, packed sequences) or, with no mask, the causal rule;
+- the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
+  interleaved pairs as ``interleave_half``);
+- the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
+  they come, with no float32 copy of them).
+
+Modules keep their class and their parameters: a forward is bound on the instance, so
+``state_dict`` keys, tied weights, devices and dtypes are those of the model as it was.
+The rotary functions are module globals: they are swapped for every model of that type
+in the process while any of them is patched, and restored when the last one is unpatched.
+MoE routers and fused experts are left as they are (the report says why).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from opforge.core.errors import OpError
+from opforge.functional import attention, cross_entropy, rms_norm, rope, silu
+
+ATTENTION_NAME = "opforge"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                         "deepseek_v3")
+# Rotary functions of a modeling module and the rope mode each one is.
+ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
+                  "apply_rotary_pos_emb_interleave": "interleave_half"}
+ROUTER_REASON = ("left as transformers computes it: opforge.moe_gating_top_k returns int32 "
+                 "indices of 2-D logits only, and the experts' one_hot needs int64")
+EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
+                  "that opforge has no grouped-matmul operator for")
+
+
+class PatchError(OpError, ValueError):
+    """A model opforge cannot patch, or an attention call it cannot run."""
+
+
+@dataclass
+class PatchReport:
+    """What `patch` swapped (component -> module names) and what it left (-> why)."""
+
+    model_type: str
+    patched: dict[str, list[str]] = field(default_factory=dict)
+    left: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"opforge.patch({self.model_type}):"]
+        lines += [f"  patched {name}: {len(where)} ({', '.join(where[:3])}"
+                  f"{', ...' if len(where) > 3 else ''})" for name, where in self.patched.items()]
+        lines += [f"  left {name}: {why}" for name, why in self.left.items()]
+        return "\n".join(lines)
+
+
+@dataclass
+class _PatchState:
+    report: PatchReport
+    modules: list[torch.nn.Module]
+    attn_implementation: str | None
+    rope_module: str | None
+
+
+# Modeling module name -> (models patched, the functions it had).
+_ROPE_OWNERS: dict[str, tuple[int, dict[str, Callable]]] = {}
+
+
+def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    out = rms_norm(hidden_states, self.weight.to(hidden_states.dtype)
+                   if self.weight.dtype != hidden_states.dtype else self.weight,
+                   self.variance_epsilon)
+    # transformers multiplies the weight last: torch's promotion decides the dtype.
+    return out.to(torch.promote_types(hidden_states.dtype, self.weight.dtype))
+
+
+def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs: object
+                      ) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature over `opforge.attention`: ``query``
+    ``(B, H, Sq, D)``, ``key``/``value`` ``(B, Hkv, Sk, D|Dv)``, ``attention_mask`` a
+    boolean or additive 4-D mask or None (then the module's causal rule); returns the
+    output as ``(B, Sq, H, Dv)`` and no weights.
+
+    Raises:
+        PatchError: dropout during training, a softcap, attention sinks or a position bias
+            (opforge's attention has none of them).
+    """
+    if dropout:
+        raise PatchError("opforge attention has no dropout", op="attention", param="dropout",
+                         expected=0.0, got=dropout)
+    for unsupported in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise PatchError(f"opforge attention has no {unsupported}", op="attention",
+                             param=unsupported, expected=None, got="a value")
+    q_length, kv_length = query.shape[2], key.shape[2]
+    causal = attention_mask is None and q_length > 1 and (
+        getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if causal and kv_length > q_length:
+        # Prefill of an empty static cache: the slots after the queries hold nothing yet.
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = attention(query, key, value, causal, scaling, attn_mask=attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _rope_function(mode: str) -> Callable:
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              position_ids: object = None, unsqueeze_dim: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return rope(q, cos, sin, mode), rope(k, cos, sin, mode)
+
+    apply.__name__ = f"opforge_rope_{mode}"
+    return apply
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   num_items_in_batch: torch.Tensor | int | None = None,
+                   ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                   **kwargs: object) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` over `opforge.cross_entropy`: labels shifted left
+    by one (unless ``shift_labels`` is given), the mean over non-ignored tokens, or the
+    sum divided by ``num_items_in_batch`` when given. A float32 scalar."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    targets = shift_labels.reshape(-1).to(logits.device)
+    logits = logits.reshape(-1, vocab_size)
+    if num_items_in_batch is None:
+        return cross_entropy(logits, targets, ignore_index=ignore_index)
+    loss = cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    # The boolean masks (None when the causal rule alone says it) that SDPA gets.
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+            and isinstance(getattr(module, "weight", None), torch.nn.Parameter))
+
+
+def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (all(isinstance(getattr(module, name, None), torch.nn.Linear)
+                for name in ("gate_proj", "up_proj", "down_proj"))
+            and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+def _is_router(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
+
+
+def _bind(module: torch.nn.Module, forward: Callable, modules: list[torch.nn.Module]) -> None:
+    module.forward = types.MethodType(forward, module)
+    modules.append(module)
+
+
+def _swap_rope(module_name: str) -> list[str]:
+    """Swap the rotary functions of a modeling module (counted per patched model)."""
+    count, originals = _ROPE_OWNERS.get(module_name, (0, {}))
+    modeling = sys.modules[module_name]
+    if count == 0:
+        originals = {name: getattr(modeling, name) for name in ROPE_FUNCTIONS
+                     if callable(getattr(modeling, name, None))}
+        for name in originals:
+            setattr(modeling, name, _rope_function(ROPE_FUNCTIONS[name]))
+    _ROPE_OWNERS[module_name] = (count + 1, originals)
+    return sorted(originals)
+
+
+def _restore_rope(module_name: str) -> None:
+    count, originals = _ROPE_OWNERS[module_name]
+    if count == 1:
+        for name, function in originals.items():
+            setattr(sys.modules[module_name], name, function)
+        del _ROPE_OWNERS[module_name]
+    else:
+        _ROPE_OWNERS[module_name] = (count - 1, originals)
+
+
+def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
+          rope: bool = True, attention: bool = True, loss: bool = True) -> PatchReport:
+    """Swap opforge's operators into a ``transformers`` model in place (see the module's
+    docstring for what each switch swaps); a model already patched returns its report.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` of a type in
+            `SUPPORTED_MODEL_TYPES`, on any device and dtype.
+
+    Returns:
+        A `PatchReport`: the module names patched per component, and what was left (MoE
+        routers, switched-off components) with the reason.
+
+    Raises:
+        PatchError: not a transformers model, or a model type opforge does not know.
+        ImportError: transformers is not installed (``pip install opforge[transformers]``).
+    """
+    state = getattr(model, "_opforge_patch", None)
+    if state is not None:
+        return state.report
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PatchError("not a transformers model of a supported type", op="patch",
+                         param="model", expected=" | ".join(SUPPORTED_MODEL_TYPES),
+                         got=model_type or type(model).__name__)
+    report = PatchReport(model_type)
+    modules: list[torch.nn.Module] = []
+    for name, module in model.named_modules():
+        if rms_norm and _is_rms_norm(module):
+            _bind(module, _rms_norm_forward, modules)
+            report.patched.setdefault("rms_norm", []).append(name)
+        elif mlp and _is_swiglu_mlp(module):
+            _bind(module, _mlp_forward, modules)
+            report.patched.setdefault("swiglu_mlp", []).append(name)
+        elif _is_router(module):
+            report.left.setdefault("moe_router", ROUTER_REASON)
+        elif type(module).__name__.endswith("Experts"):
+            report.left.setdefault("moe_experts", EXPERTS_REASON)
+    previous = None
+    if attention:
+        _register_attention()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        report.patched["attention"] = [f"config._attn_implementation={ATTENTION_NAME!r} "
+                                       f"(was {previous!r})"]
+    rope_module = None
+    if rope:
+        base = next(cls for cls in type(model).__mro__
+                    if cls.__module__.startswith("transformers.models."))
+        rope_module = base.__module__
+        report.patched["rope"] = [f"{rope_module}.{name}" for name in _swap_rope(rope_module)]
+    if loss and hasattr(model, "lm_head"):
+        model.loss_function = causal_lm_loss
+        report.patched["loss"] = ["loss_function"]
+    for switch, on in (("rms_norm", rms_norm), ("swiglu_mlp", mlp), ("attention", attention),
+                       ("rope", rope), ("loss", loss)):
+        if not on:
+            report.left[switch] = "switched off by the caller"
+    model._opforge_patch = _PatchState(report, modules, previous, rope_module)
+    return report
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Undo `patch`: the modules' own forwards, the attention implementation the model
+    had, its loss and (with the last patched model of its type) the rotary functions. A
+    model that is not patched is left as it is."""
+    state = getattr(model, "_opforge_patch", None)
+    if state is None:
+        return
+    for module in state.modules:
+        del module.forward
+    if state.attn_implementation is not None:
+        model.set_attn_implementation(state.attn_implementation)
+    if state.rope_module is not None:
+        _restore_rope(state.rope_module)
+    if "loss" in state.report.patched:
+        del model._loss_function
+    del model._opforge_patch

@@ -1,0 +1,216 @@
+"""`opforge.patch` on tiny random transformers models built from their configs (no hub):
+what it swaps really runs, logits and gradients as close to a float64 copy as the
+unpatched model's, masks honoured, generation unchanged, the model's parameters, keys and
+ties kept, and `unpatch` restoring it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import opforge
+import opforge.hf
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+_MODELS: list[torch.nn.Module] = []
+
+
+@pytest.fixture(autouse=True)
+def _unpatch_every_model():
+    """The rotary functions are module globals: no test leaves a model patched."""
+    yield
+    while _MODELS:
+        opforge.unpatch(_MODELS.pop())
+
+
+def _tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, num_key_value_heads=2,
+                                          tie_word_embeddings=True)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16,
+                                             num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True)
+    else:
+        config = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Random weights with the scale of trained ones (the routers start at zero).
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0, 0.05)
+    _MODELS.append(model)
+    return model.eval()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0  # left padding, as generation pads
+    return ids, attention_mask
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    out = model(ids, attention_mask=attention_mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {name: p.grad.detach().clone()
+                                 for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _rms_error(value: torch.Tensor, golden: torch.Tensor, valid: torch.Tensor | None = None
+               ) -> float:
+    difference = value.double() - golden
+    if valid is not None:
+        difference, golden = difference[valid], golden[valid]
+    return float(difference.square().mean().sqrt() / golden.square().mean().sqrt().clamp_min(
+        1e-300))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often the patched forwards reach each opforge functional."""
+    counted: dict[str, int] = {}
+    for name in ("attention", "rms_norm", "rope", "silu", "cross_entropy"):
+        real = getattr(opforge.hf, name)
+
+        def counting(*args, _name=name, _real=real, **kwargs):
+            counted[_name] = counted.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(opforge.hf, name, counting)
+    return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, calls):
+    """Logits and every parameter gradient of a training step with a left-padded batch:
+    the patched model's error against a float64 copy is at most 2x the unpatched model's
+    own (plus float32 rounding, where both are at that level)."""
+    model = _tiny(kind)
+    golden_model = copy.deepcopy(model).double()
+    golden_model.set_experts_implementation("eager")  # grouped_mm has no float64 on CPUs
+    model = model.to(dtype)
+    ids, attention_mask = _batch()
+    golden_logits, golden_grads = _step(golden_model, ids, attention_mask)
+    plain_logits, plain_grads = _step(model, ids, attention_mask)
+    report = opforge.patch(model)
+    patched_logits, patched_grads = _step(model, ids, attention_mask)
+    assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
+    assert calls["attention"] == 2 and calls["rms_norm"] >= 5 and calls["cross_entropy"] == 1
+    assert calls["rope"] == 4 and ("silu" in calls) == ("swiglu_mlp" in report.patched)
+    floor = 4 * torch.finfo(torch.float32).eps
+    valid = attention_mask.bool()
+    pairs = [(patched_logits, plain_logits, golden_logits, valid)]
+    pairs += [(patched_grads[name], plain_grads[name], golden_grads[name], None)
+              for name in golden_grads]
+    assert patched_grads.keys() == golden_grads.keys()
+    for patched, plain, golden, where in pairs:
+        assert _rms_error(patched, golden, where) <= 2 * _rms_error(plain, golden, where) + floor
+
+
+def test_a_padded_batch_equals_each_sequence_alone():
+    model = _tiny("llama")
+    opforge.patch(model)
+    ids, attention_mask = _batch()
+    with torch.no_grad():
+        batched = model(ids, attention_mask=attention_mask).logits
+        for row in range(2):
+            valid = attention_mask[row].bool()
+            alone = model(ids[row:row + 1, valid]).logits
+            torch.testing.assert_close(batched[row:row + 1, valid], alone, rtol=2e-5,
+                                       atol=2e-5)
+
+
+def test_generation_is_unchanged_and_unpatch_restores_the_model():
+    model = _tiny("llama")
+    ids, attention_mask = _batch()
+    generate = {"max_new_tokens": 5, "do_sample": False, "attention_mask": attention_mask,
+                "pad_token_id": 0}
+    plain = model.generate(ids, **generate)
+    parameters = {name: p for name, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    first = opforge.patch(model)
+    assert opforge.patch(model) is first  # patching twice changes nothing
+    assert torch.equal(model.generate(ids, **generate), plain)
+    assert list(model.state_dict()) == keys
+    assert dict(model.named_parameters()) == parameters  # the same Parameter objects
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    opforge.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert "forward" not in vars(model.model.norm) and not hasattr(model, "_opforge_patch")
+    from transformers.models.llama import modeling_llama
+    assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+    assert torch.equal(model.generate(ids, **generate), plain)
+
+
+def test_rope_functions_stay_swapped_while_any_model_of_the_type_is_patched():
+    from transformers.models.llama import modeling_llama
+
+    first, second = _tiny("llama"), _tiny("llama")
+    opforge.patch(first)
+    opforge.patch(second)
+    opforge.unpatch(first)
+    assert modeling_llama.apply_rotary_pos_emb.__name__.startswith("opforge_rope")
+    opforge.unpatch(second)
+    assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+
+
+def test_the_report_names_what_it_left_and_why():
+    model = _tiny("qwen3_moe")
+    report = opforge.patch(model, loss=False)
+    assert "int64" in report.left["moe_router"]
+    assert report.left["loss"] == "switched off by the caller"
+    assert "loss" not in report.patched and "left moe_router" in str(report)
+    opforge.unpatch(model)
+
+
+def test_unsupported_models_and_attention_features_raise():
+    with pytest.raises(opforge.hf.PatchError) as raised:
+        opforge.patch(torch.nn.Linear(2, 2))
+    assert raised.value.param == "model"
+    model = _tiny("llama")
+    opforge.patch(model)
+    q = torch.randn(1, 4, 3, 16)
+    with pytest.raises(opforge.hf.PatchError) as raised:
+        opforge.hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                     dropout=0.1)
+    assert raised.value.param == "dropout"
+    with pytest.raises(opforge.hf.PatchError):
+        opforge.hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                     softcap=30.0)
+    opforge.unpatch(model)
+
+
+def test_a_patched_model_trains():
+    """A few AdamW steps on one batch: the loss falls, as it does unpatched."""
+    losses = {}
+    for patched in (False, True):
+        model = _tiny("llama").train()
+        if patched:
+            opforge.patch(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids, attention_mask = _batch()
+        history = []
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            history.append(loss.item())
+        losses[patched] = history
+    assert losses[True][-1] < losses[True][0]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
