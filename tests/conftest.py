@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import opforge
-from opforge.core.opdef import Case, OpDef
+from opforge.core.opdef import Case, OpDef, Tiling
 from opforge.precision.metrics import compare_tensors
 from opforge.precision.verify import EPS_BOUNDS, golden_of, rounded_range
 
@@ -169,3 +169,19 @@ def assert_golden(opdef: OpDef, case: Case, outputs: object) -> float:
             f"at {stats.worst_index} (max abs {stats.max_abs:.3g})")
         worst = max(worst, stats.max_eps)
     return worst
+
+
+def force_attention_tiles(monkeypatch: pytest.MonkeyPatch, pack: int, splits: int,
+                          block_q: int = 16) -> None:
+    """Attention's tilings forced to 16-wide blocks (``block_q`` streamed queries on the
+    key side), the GQA packing of decoding when ``pack`` > 1 (forward only) and ``splits``
+    key slices: many blocks of every kind on small inputs."""
+    from opforge.ops import attention
+
+    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
+        return [Tiling("flash", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
+                                 "BLOCK_K": 16, "BLOCK_Q": block_q}, 0, double_buffered=False,
+                       options={"pack_gqa": True} if pack > 1 and not backward else {})]
+
+    monkeypatch.setattr(attention, "_tiles", tiles)
+    monkeypatch.setattr(attention, "_key_splits", lambda *args: splits)

@@ -15,7 +15,14 @@ from opforge.ops.attention import causal_mask
 from opforge.precision.attention_study import attention_error_growth, growth
 from opforge.profiler.session import kernel_costs
 
-from .conftest import DEVICE, LOW_PRECISION, assert_golden, needs_descriptors, needs_triton
+from .conftest import (
+    DEVICE,
+    LOW_PRECISION,
+    assert_golden,
+    force_attention_tiles,
+    needs_descriptors,
+    needs_triton,
+)
 
 ATTENTION = opforge.get_op("attention")
 ATTENTION_BACKWARD = opforge.get_op("attention_backward")
@@ -104,15 +111,7 @@ def test_key_splits_merge_to_the_golden(sq, sk, splits, causal, pack, monkeypatc
     not at all (causal), queries that see no key (Sq > Sk, causal: out 0, lse -inf), more
     slices asked for than key blocks; the poisoned workspace must be written wherever the
     merge reads. ``pack`` 2: with the GQA packing of decoding (slices of head groups)."""
-    from opforge.ops import attention
-
-    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
-        return [Tiling("flash", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
-                                 "BLOCK_K": 16, "BLOCK_Q": 16}, 0, double_buffered=False,
-                       options={"pack_gqa": True} if pack > 1 and not backward else {})]
-
-    monkeypatch.setattr(attention, "_tiles", tiles)
-    monkeypatch.setattr(attention, "_key_splits", lambda *args: splits)
+    force_attention_tiles(monkeypatch, pack, splits)
     opforge.clear_caches()
     opforge.set_poison(True)
     q, k, v = _qkv(2, 4, 2, sq, sk, 16, dv=8, seed=sq + splits)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import opforge
-from opforge.core.opdef import Case, Tiling
+from opforge.core.opdef import Case
 
-from .conftest import DEVICE, assert_golden
+from .conftest import DEVICE, assert_golden, force_attention_tiles
 
 ATTENTION = opforge.get_op("attention")
 ATTENTION_BACKWARD = opforge.get_op("attention_backward")
@@ -113,15 +113,7 @@ def test_masks_on_forced_tilings_with_packed_heads_and_key_splits(pack, splits, 
     """Small tiles on the Triton kernels: many blocks of either side, the GQA packing of
     decoding (a block's rows from two heads with their own mask rows) and key slices
     merged by log-sum-exp, with a per-head additive mask and key padding."""
-    from opforge.ops import attention
-
-    def tiles(sq, sk, d, dv, item, hardware, backward, group=1):
-        return [Tiling("flash", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "BLOCK_DV": 16,
-                                 "BLOCK_K": 16, "BLOCK_Q": 32}, 0, double_buffered=False,
-                       options={"pack_gqa": True} if pack > 1 and not backward else {})]
-
-    monkeypatch.setattr(attention, "_tiles", tiles)
-    monkeypatch.setattr(attention, "_key_splits", lambda *args: splits)
+    force_attention_tiles(monkeypatch, pack, splits, block_q=32)
     q, k, v = _qkv(2, 4, 2, 37, 70, 16, seed=7)
     generator = torch.Generator().manual_seed(8)
     bias = torch.randn((2, 4, 37, 70), generator=generator).to(DEVICE)
