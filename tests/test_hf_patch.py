@@ -27,23 +27,29 @@ def _unpatch_every_model():
         opforge.unpatch(_MODELS.pop())
 
 
-def _tiny(kind: str) -> torch.nn.Module:
+def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(0)
     common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4}
     if kind == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2,
-                                          tie_word_embeddings=True)
+                                          tie_word_embeddings=True, **overrides)
     elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16,
-                                             num_experts=4, num_experts_per_tok=2,
-                                             moe_intermediate_size=32, norm_topk_prob=True)
+        config = transformers.Qwen3MoeConfig(**{
+            **common, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+            **overrides})
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(**common, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2,
+                                            **overrides)
     else:
-        config = transformers.DeepseekV3Config(
-            **common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-            v_head_dim=16)
+        config = transformers.DeepseekV3Config(**{
+            **common, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+            "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "routed_scaling_factor": 2.5, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random weights with the scale of trained ones (the routers start at zero).
     with torch.no_grad():
@@ -83,7 +89,7 @@ def _rms_error(value: torch.Tensor, golden: torch.Tensor, valid: torch.Tensor | 
 def calls(monkeypatch):
     """How often the patched forwards reach each opforge functional."""
     counted: dict[str, int] = {}
-    for name in ("attention", "rms_norm", "rope", "silu", "cross_entropy"):
+    for name in ("attention", "rms_norm", "rope", "silu", "cross_entropy", "moe_gating_top_k"):
         real = getattr(opforge.hf, name)
 
         def counting(*args, _name=name, _real=real, **kwargs):
@@ -112,6 +118,8 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
     assert calls["attention"] == 2 and calls["rms_norm"] >= 5 and calls["cross_entropy"] == 1
     assert calls["rope"] == 4 and ("silu" in calls) == ("swiglu_mlp" in report.patched)
+    assert calls.get("moe_gating_top_k", 0) == len(report.patched.get("moe_router", []))
+    assert ("moe_router" in report.patched) == (kind != "llama")
     floor = 4 * torch.finfo(torch.float32).eps
     valid = attention_mask.bool()
     pairs = [(patched_logits, plain_logits, golden_logits, valid)]
@@ -172,10 +180,41 @@ def test_rope_functions_stay_swapped_while_any_model_of_the_type_is_patched():
 def test_the_report_names_what_it_left_and_why():
     model = _tiny("qwen3_moe")
     report = opforge.patch(model, loss=False)
-    assert "int64" in report.left["moe_router"]
+    assert "grouped-matmul" in report.left["moe_experts"]
     assert report.left["loss"] == "switched off by the caller"
-    assert "loss" not in report.patched and "left moe_router" in str(report)
+    assert "loss" not in report.patched and "left moe_experts" in str(report)
     opforge.unpatch(model)
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("qwen3_moe", {"norm_topk_prob": True}), ("qwen3_moe", {"norm_topk_prob": False}),
+    ("mixtral", {}), ("deepseek_v3", {"norm_topk_prob": True}),
+    ("deepseek_v3", {"norm_topk_prob": False}), ("deepseek_v3", {"topk_group": 4}),
+])
+def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
+    """Each router's own rule: the same logits, the same experts (as sets: transformers'
+    unsorted top-k orders them otherwise), weights within float32 rounding, int64 indices,
+    the weights' dtype; a gradient reaches the router's weight."""
+    model = _tiny(kind, **overrides)
+    routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter",
+                                                                         "TopkRouter"))]
+    assert routers
+    if kind == "deepseek_v3":
+        with torch.no_grad():  # a live correction bias, as a trained model has
+            routers[0].e_score_correction_bias.normal_(0, 0.1)
+    hidden = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
+    expected = routers[0](hidden)
+    opforge.patch(model)
+    got = routers[0](hidden)
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[2].dtype == torch.int64 and got[1].dtype == expected[1].dtype
+    order, expected_order = got[2].sort(-1), expected[2].sort(-1)
+    assert torch.equal(order.values, expected_order.values)
+    torch.testing.assert_close(got[1].gather(1, order.indices),
+                               expected[1].gather(1, expected_order.indices),
+                               rtol=2e-6, atol=1e-7)
+    got[1].sum().backward()
+    assert routers[0].weight.grad is not None and routers[0].weight.grad.abs().sum() > 0
 
 
 def test_unsupported_models_and_attention_features_raise():

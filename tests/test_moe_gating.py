@@ -168,16 +168,47 @@ def test_bad_inputs():
             _logits(6, 10).view(2, 3, 10), torch.zeros(3, 2, dtype=torch.bool, device=DEVICE),
             2)
     with pytest.raises(opforge.ShapeError):
-        opforge.moe_gating_top_k(_logits(2, 8).view(2, 2, 4), 1)
+        opforge.moe_gating_top_k(torch.tensor(1.0, device=DEVICE), 1)
     with pytest.raises(opforge.ShapeError):
         opforge.moe_gating_top_k(_logits(2, 8), 1, bias=torch.zeros(7, device=DEVICE))
     with pytest.raises(opforge.DtypeError):
         opforge.moe_gating_top_k(_logits(2, 8), 1, bias=torch.zeros(8, device=DEVICE).half())
+    with pytest.raises(opforge.DtypeError):
+        opforge.moe_gating_top_k(_logits(2, 8), 1, index_dtype=torch.int16)
+
+
+def test_leading_dims_int64_indices_and_a_float32_bias_beside_bf16_logits(backend):
+    """What a transformers router hands over: ``(B, S, E)`` bf16 logits, DeepSeek-V3's
+    float32 correction bias, int64 indices for ``one_hot``; the same routing as the 2-D
+    call on the flattened rows with the bias rounded to nothing."""
+    x = _logits(6, 16, seed=9).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    attrs = {"k_group": 2, "group_count": 4, "group_select_mode": 1, "norm_type": 1}
+    y, idx, out = opforge.moe_gating_top_k(x.view(2, 3, 16), 4, bias=bias, out_flag=True,
+                                           index_dtype=torch.int64, **attrs)
+    assert y.shape == idx.shape == (2, 3, 4) and out.shape == (2, 3, 16)
+    assert idx.dtype == torch.int64
+    flat = opforge.moe_gating_top_k(x, 4, bias=bias, out_flag=True, **attrs)
+    assert torch.equal(y.view(6, 4), flat[0]) and torch.equal(idx.view(6, 4), flat[1].long())
+    assert_golden(GATING, Case("float32_bias", (x, bias), {"k": 4, "out_flag": True, **attrs}),
+                  flat)
+
+
+def test_sigmoid_weights_without_renormalisation(backend):
+    """``sigmoid_renorm=False`` (DeepSeek-V3's ``norm_topk_prob=False``): the gathered
+    sigmoid scores times the scaling factor, the same experts as with renormalisation."""
+    x = _logits(7, 32, seed=11)
+    y, idx, _ = opforge.moe_gating_top_k(x, 4, norm_type=1, sigmoid_renorm=False,
+                                         routed_scaling_factor=2.5)
+    expected = torch.sigmoid(x.double()).gather(1, idx.long()) * 2.5
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(idx, opforge.moe_gating_top_k(x, 4, norm_type=1)[1])
 
 
 @pytest.mark.parametrize("attrs", [{"norm_type": 1, "routed_scaling_factor": 1.5},
                                    {"norm_type": 0, "renorm": 1, "out_flag": True},
-                                   {"norm_type": 0}, {"norm_type": 1, "eps": 0.5}])
+                                   {"norm_type": 0}, {"norm_type": 1, "eps": 0.5},
+                                   {"norm_type": 1, "sigmoid_renorm": False}])
 def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     x = _logits(5, 16, seed=4)
     leaf = x.clone().requires_grad_()
@@ -188,7 +219,7 @@ def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     (grad,) = torch.autograd.grad(loss, leaf)
     scores = wide.sigmoid() if attrs["norm_type"] == 1 else wide.softmax(-1)
     weights = scores.gather(1, idx.long())
-    if attrs["norm_type"] == 1 or attrs.get("renorm"):
+    if (attrs["norm_type"] == 1 and attrs.get("sigmoid_renorm", True)) or attrs.get("renorm"):
         weights = weights / (weights.sum(-1, keepdim=True) + attrs.get("eps", 1e-20))
     expected_loss = (weights * attrs.get("routed_scaling_factor", 1.0) * upstream).sum()
     if attrs.get("out_flag"):
@@ -248,6 +279,11 @@ def test_compat_signatures():
     assert torch.equal(y, expected[0]) and torch.equal(idx, expected[1])
     with pytest.raises(opforge.UnsupportedError):
         npu_moe_gating_top_k(x, 2, tid2eid=torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(opforge.UnsupportedError) as raised:  # CANN documents renorm=0 only
+        npu_moe_gating_top_k(x, 2, renorm=1)
+    assert raised.value.param == "renorm"
+    with pytest.raises(opforge.ShapeError):
+        npu_moe_gating_top_k(x.view(2, 2, 16), 2)
     assert npu_moe_gating_top_k_softmax(x, k=3)[0].shape == (4, 3)
 
 

@@ -11,6 +11,10 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   (padding, sliding windows, packed sequences) or, with no mask, the causal rule;
 - the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
   interleaved pairs as ``interleave_half``);
+- the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
+  top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen3-MoE and
+  Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited top-k and
+  ``norm_topk_prob`` either way; int64 indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
   they come, with no float32 copy of them).
 
@@ -18,7 +22,7 @@ Modules keep their class and their parameters: a forward is bound on the instanc
 ``state_dict`` keys, tied weights, devices and dtypes are those of the model as it was.
 The rotary functions are module globals: they are swapped for every model of that type
 in the process while any of them is patched, and restored when the last one is unpatched.
-MoE routers and fused experts are left as they are (the report says why).
+Fused experts are left as they are (the report says why).
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from dataclasses import dataclass, field
 import torch
 
 from opforge.core.errors import OpError
-from opforge.functional import attention, cross_entropy, rms_norm, rope, silu
+from opforge.functional import (
+    attention,
+    cross_entropy,
+    moe_gating_top_k,
+    rms_norm,
+    rope,
+    silu,
+)
 
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
@@ -39,8 +50,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mix
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
-ROUTER_REASON = ("left as transformers computes it: opforge.moe_gating_top_k returns int32 "
-                 "indices of 2-D logits only, and the experts' one_hot needs int64")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
                   "that opforge has no grouped-matmul operator for")
 
@@ -83,6 +92,37 @@ def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tor
                    self.variance_epsilon)
     # transformers multiplies the weight last: torch's promotion decides the dtype.
     return out.to(torch.promote_types(hidden_states.dtype, self.weight.dtype))
+
+
+def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's and Mixtral's TopKRouter: (logits, top-k softmax weights, int64 experts);
+    renormalised without an epsilon when ``norm_topk_prob`` (Mixtral has no switch: always),
+    the weights in the logits' dtype (Qwen3-MoE) or float32 (Mixtral), as each returns."""
+    router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
+                                               self.weight)
+    normalize = getattr(self, "norm_topk_prob", None)
+    logits = router_logits if normalize is not None else router_logits.float()
+    weights, experts, _ = moe_gating_top_k(logits, self.top_k,
+                                           renorm=int(normalize is None or normalize),
+                                           eps=0.0, index_dtype=torch.int64)
+    return router_logits, weights, experts
+
+
+def _deepseek_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router: float32 logits, sigmoid scores, the correction bias for the
+    selection only, the best ``topk_group`` groups by their top-two sums, top-k, the
+    weights renormalised (+1e-20) when ``norm_topk_prob``, times the scaling factor."""
+    router_logits = torch.nn.functional.linear(
+        hidden_states.reshape(-1, self.hidden_dim).float(), self.weight.float())
+    weights, experts, _ = moe_gating_top_k(
+        router_logits, self.top_k, bias=self.e_score_correction_bias.float(),
+        k_group=self.topk_group, group_count=self.num_group, group_select_mode=1,
+        norm_type=1, sigmoid_renorm=bool(self.norm_topk_prob),
+        routed_scaling_factor=self.routed_scaling_factor, eps=1e-20,
+        index_dtype=torch.int64)
+    return router_logits, weights, experts
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -172,8 +212,14 @@ def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
             and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
 
 
-def _is_router(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith(("TopKRouter", "TopkRouter"))
+def _router_forward(module: torch.nn.Module) -> Callable | None:
+    """The opforge forward of a transformers MoE router, None for other modules."""
+    name = type(module).__name__
+    if name == "DeepseekV3TopkRouter":
+        return _deepseek_router_forward
+    if name in ("Qwen3MoeTopKRouter", "MixtralTopKRouter"):
+        return _softmax_router_forward
+    return None
 
 
 def _bind(module: torch.nn.Module, forward: Callable, modules: list[torch.nn.Module]) -> None:
@@ -205,7 +251,8 @@ def _restore_rope(module_name: str) -> None:
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
-          rope: bool = True, attention: bool = True, loss: bool = True) -> PatchReport:
+          rope: bool = True, attention: bool = True, router: bool = True, loss: bool = True
+          ) -> PatchReport:
     """Swap opforge's operators into a ``transformers`` model in place (see the module's
     docstring for what each switch swaps); a model already patched returns its report.
 
@@ -214,8 +261,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
             `SUPPORTED_MODEL_TYPES`, on any device and dtype.
 
     Returns:
-        A `PatchReport`: the module names patched per component, and what was left (MoE
-        routers, switched-off components) with the reason.
+        A `PatchReport`: the module names patched per component, and what was left (fused
+        experts, switched-off components) with the reason.
 
     Raises:
         PatchError: not a transformers model, or a model type opforge does not know.
@@ -239,8 +286,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
         elif mlp and _is_swiglu_mlp(module):
             _bind(module, _mlp_forward, modules)
             report.patched.setdefault("swiglu_mlp", []).append(name)
-        elif _is_router(module):
-            report.left.setdefault("moe_router", ROUTER_REASON)
+        elif router and _router_forward(module) is not None:
+            _bind(module, _router_forward(module), modules)
+            report.patched.setdefault("moe_router", []).append(name)
         elif type(module).__name__.endswith("Experts"):
             report.left.setdefault("moe_experts", EXPERTS_REASON)
     previous = None
@@ -260,7 +308,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
         model.loss_function = causal_lm_loss
         report.patched["loss"] = ["loss_function"]
     for switch, on in (("rms_norm", rms_norm), ("swiglu_mlp", mlp), ("attention", attention),
-                       ("rope", rope), ("loss", loss)):
+                       ("rope", rope), ("moe_router", router), ("loss", loss)):
         if not on:
             report.left[switch] = "switched off by the caller"
     model._opforge_patch = _PatchState(report, modules, previous, rope_module)

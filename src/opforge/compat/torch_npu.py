@@ -14,7 +14,7 @@ import torch
 import opforge.ops.mla_prolog
 import opforge.ops.moe_gating
 import opforge.ops.rms_norm  # noqa: F401 - registers the operators
-from opforge.core.errors import UnsupportedError
+from opforge.core.errors import ShapeError, UnsupportedError
 from opforge.functional import mla_prolog, moe_gating_top_k, moe_gating_top_k_softmax
 from opforge.library import call
 from opforge.ops.swiglu import SWIGLU
@@ -104,13 +104,21 @@ def npu_moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None =
     holding the scores when ``out_flag``, else zeros).
 
     Raises:
-        UnsupportedError: the V2 hash mode (``input_ids``/``tid2eid``). Otherwise as
-            `opforge.moe_gating_top_k`.
+        UnsupportedError: the V2 hash mode (``input_ids``/``tid2eid``), or ``renorm=1``
+            (CANN documents only 0; `opforge.moe_gating_top_k` has it). ShapeError: x not
+            2-D. Otherwise as `opforge.moe_gating_top_k`.
     """
     if input_ids is not None or tid2eid is not None:
         raise UnsupportedError("the hash-routing mode (V2) is not supported",
                                op="npu_moe_gating_top_k", param="tid2eid", expected="None",
                                got="a tensor")
+    if renorm != 0:
+        raise UnsupportedError("CANN's MoeGatingTopK documents renorm=0 only",
+                               op="npu_moe_gating_top_k", param="renorm", expected=0,
+                               got=renorm)
+    if x.dim() != 2:
+        raise ShapeError("must be 2-D (rows, E)", op="npu_moe_gating_top_k", param="x",
+                         expected="(rows, E)", got=tuple(x.shape))
     y, idx, out = moe_gating_top_k(x, k, bias=bias, k_group=k_group, group_count=group_count,
                                    group_select_mode=group_select_mode, renorm=renorm,
                                    norm_type=norm_type, out_flag=out_flag,

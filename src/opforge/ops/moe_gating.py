@@ -2,7 +2,8 @@
 ``torch_npu.npu_moe_gating_top_k``) and MoeGatingTopKSoftmax.
 
 ``moe_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type,
-out_flag, routed_scaling_factor, eps) -> (y, expert_idx, out)`` over ``x`` ``(rows, E)``::
+out_flag, routed_scaling_factor, eps, sigmoid_renorm) -> (y, expert_idx, out)`` over ``x``
+``(rows, E)``::
 
     norm = softmax(x) (norm_type 0) or sigmoid(x) (1)                 float32
     sel  = norm + bias                                                bias: selection only
@@ -10,7 +11,7 @@ out_flag, routed_scaling_factor, eps) -> (y, expert_idx, out)`` over ``x`` ``(ro
                 sum of its top two (1) and keep the best k_group groups; others -> -inf
     idx  = top-k of sel, descending
     w    = norm[idx]                                                  un-biased
-    if norm_type == 1 or renorm == 1: w = w / (sum(w) + eps)
+    if renorm == 1 or (norm_type == 1 and sigmoid_renorm): w = w / (sum(w) + eps)
     y    = rounded_to_x_dtype(w * routed_scaling_factor);  out = norm if out_flag
 
 Selection is decided on the float32 scores (what the kernels compute), whatever precision
@@ -88,7 +89,15 @@ GATING_ATTRS = (
     Attr("out_flag", "bool", False, doc="also return the normalised scores"),
     Attr("routed_scaling_factor", "float", 1.0, doc="multiplies y"),
     Attr("eps", "float", 1e-20, range=(0.0, None), doc="added to the renormalising sum"),
+    Attr("sigmoid_renorm", "bool", True,
+         doc="renormalise sigmoid weights (CANN always does; off: norm_topk_prob=False)"),
 )
+
+
+def renormalises(renorm: int, norm_type: int, sigmoid_renorm: bool) -> bool:
+    """Whether the weights are divided by their sum: softmax ones with ``renorm``, sigmoid
+    ones unless ``sigmoid_renorm`` is off."""
+    return renorm == 1 or (norm_type == 1 and sigmoid_renorm)
 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
@@ -105,9 +114,9 @@ def _check(inputs: Specs, attrs: Attrs) -> None:
         if tuple(bias.shape) != (experts,):
             raise ShapeError("must be (E,)", op=NAME, param="bias", expected=(experts,),
                              got=tuple(bias.shape))
-        if bias.dtype != x.dtype:
-            raise DtypeError("must have x's dtype", op=NAME, param="bias",
-                             expected=str(x.dtype).removeprefix("torch."),
+        if bias.dtype not in (x.dtype, torch.float32):
+            raise DtypeError("must have x's dtype or float32", op=NAME, param="bias",
+                             expected=f"{str(x.dtype).removeprefix('torch.')} | float32",
                              got=str(bias.dtype).removeprefix("torch."))
     k, k_group, groups = attrs["k"], attrs["k_group"], attrs["group_count"]
 
@@ -201,6 +210,9 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
              {"k": 6, "renorm": 1, "out_flag": True}),
         Case("sigmoid_bias_groups_max", (x(12, 32), x(32, scale=0.1)),
              {"k": 4, "k_group": 2, "group_count": 4, "norm_type": 1}),
+        Case("sigmoid_unnormalised_float32_bias", (
+            x(10, 16), (0.1 * torch.randn(16, generator=generator)).to(device)),
+             {"k": 3, "norm_type": 1, "sigmoid_renorm": False, "routed_scaling_factor": 2.5}),
         Case("ties_lower_index_wins", (ties, None), {"k": 4, "norm_type": 1}),
         Case("grouped_ties", (ties, None), {"k": 3, "k_group": 2, "group_count": 4,
                                             "group_select_mode": 1}),
@@ -238,8 +250,8 @@ def _weights_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: A
 
 def _torch_gating(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: int,
                   group_count: int, group_select_mode: int, renorm: int, norm_type: int,
-                  out_flag: bool, routed_scaling_factor: float, eps: float
-                  ) -> tuple[torch.Tensor, ...]:
+                  out_flag: bool, routed_scaling_factor: float, eps: float,
+                  sigmoid_renorm: bool) -> tuple[torch.Tensor, ...]:
     """DeepSeek-V3's Gate in torch ops (float32 scores, torch.topk), CANN's renorm rule"""
     scores = torch.softmax(x.float(), -1) if norm_type == 0 else torch.sigmoid(x.float())
     sel = scores if bias is None else scores + bias.float()
@@ -252,7 +264,7 @@ def _torch_gating(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: i
         sel = grouped.masked_fill(~keep[..., None], float("-inf")).view(x.shape)
     idx = sel.topk(k, -1)[1]
     weights = scores.gather(1, idx)
-    if norm_type == 1 or renorm == 1:
+    if renormalises(renorm, norm_type, sigmoid_renorm):
         weights = weights / (weights.sum(-1, keepdim=True) + eps)
     out = scores if out_flag else scores.new_empty(0)
     return (weights * routed_scaling_factor).to(x.dtype), idx.int(), out
@@ -427,15 +439,15 @@ def select_experts(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: 
 @MOE_GATING_TOP_K.reference
 def reference(x: torch.Tensor, bias: torch.Tensor | None, *, compute_dtype: torch.dtype,
               k: int, k_group: int, group_count: int, group_select_mode: int, renorm: int,
-              norm_type: int, out_flag: bool, routed_scaling_factor: float, eps: float
-              ) -> tuple[torch.Tensor, ...]:
+              norm_type: int, out_flag: bool, routed_scaling_factor: float, eps: float,
+              sigmoid_renorm: bool) -> tuple[torch.Tensor, ...]:
     """(y, expert_idx, out): the selection on float32 scores, the weights and scores in
     ``compute_dtype``."""
     idx = select_experts(x, bias, k, k_group, group_count, group_select_mode, norm_type)
     wide = x.to(compute_dtype)
     norm = torch.softmax(wide, -1) if norm_type == 0 else torch.sigmoid(wide)
     weights = norm.gather(1, idx)
-    if norm_type == 1 or renorm == 1:
+    if renormalises(renorm, norm_type, sigmoid_renorm):
         weights = weights / (weights.sum(-1, keepdim=True) + eps)
     out = norm if out_flag else norm.new_empty(0)
     return weights * routed_scaling_factor, idx.to(torch.int32), out
@@ -586,7 +598,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         attrs["routed_scaling_factor"], attrs["eps"], HAS_BIAS=bias is not None,
         SIGMOID=attrs["norm_type"] == 1, GROUPED=grouped,
         TOP2=attrs["group_select_mode"] == 1,
-        RENORM=attrs["norm_type"] == 1 or attrs["renorm"] == 1, OUT_FLAG=attrs["out_flag"],
+        RENORM=renormalises(attrs["renorm"], attrs["norm_type"], attrs["sigmoid_renorm"]),
+        OUT_FLAG=attrs["out_flag"],
         WIDE=wide_offsets(x, out), **plan.tiling.blocks, **launch_options(plan.tiling))
 
 
@@ -612,9 +625,9 @@ def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
                    ) -> None:
-    x, renorm, norm_type, out_flag, scale, eps = (inputs[0], *inputs[6:])
+    x, renorm, norm_type, out_flag, scale, eps, sigmoid_renorm = (inputs[0], *inputs[6:])
     ctx.save_for_backward(x, output[1])
-    ctx.renorm = norm_type == 1 or renorm == 1
+    ctx.renorm = renormalises(renorm, norm_type, sigmoid_renorm)
     ctx.sigmoid, ctx.out_flag, ctx.scale, ctx.eps = norm_type == 1, out_flag, scale, eps
 
 
