@@ -9,13 +9,21 @@ path).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import opforge.ops.mla_prolog
 import opforge.ops.moe_gating
 import opforge.ops.rms_norm  # noqa: F401 - registers the operators
-from opforge.core.errors import ShapeError, UnsupportedError
-from opforge.functional import mla_prolog, moe_gating_top_k, moe_gating_top_k_softmax
+from opforge.core.errors import AttrError, ShapeError, UnsupportedError
+from opforge.functional import (
+    attention,
+    mla_prolog,
+    moe_gating_top_k,
+    moe_gating_top_k_softmax,
+    rope,
+)
 from opforge.library import call
 from opforge.ops.swiglu import SWIGLU
 
@@ -134,3 +142,171 @@ def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None 
     """``torch_npu.npu_moe_gating_top_k_softmax``: ``(y, expert_idx, row_idx)`` (see
     `opforge.moe_gating_top_k_softmax`)."""
     return moe_gating_top_k_softmax(x, finished, k)
+
+
+def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
+                   rotary_mode: str = "half") -> torch.Tensor:
+    """``torch_npu.npu_rotary_mul``: ``input * r1 + rotate(input) * r2`` over the last dim,
+    ``rotate`` the half (``"half"``) or pairwise (``"interleave"``) rotation: `opforge.rope`
+    with ``cos = r1``, ``sin = r2`` (broadcast over input's leading dims).
+
+    Raises:
+        AttrError: another ``rotary_mode``. Otherwise as `opforge.rope`.
+    """
+    if rotary_mode not in ("half", "interleave"):
+        raise AttrError("must be 'half' or 'interleave'", op="npu_rotary_mul",
+                        param="rotary_mode", expected="half | interleave", got=rotary_mode)
+    return rope(input, r1, r2, rotary_mode)
+
+
+# CANN's "no limit" for pre_tockens / next_tockens.
+ALL_TOKENS = 2147483647
+SPARSE_MODES = (0, 1, 2, 3, 4)
+
+
+def _band(sq: int, sk: int, pre_tockens: int, next_tockens: int, offset: int,
+          device: torch.device) -> torch.Tensor | None:
+    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``-pre <= j - (i + offset)
+    <= next``; None when the band holds every pair."""
+    if pre_tockens >= sq + sk and next_tockens >= sq + sk:
+        return None
+    shift = (torch.arange(sk, device=device)[None, :]
+             - torch.arange(sq, device=device)[:, None] - offset)
+    return (shift <= next_tockens) & (shift >= -pre_tockens)
+
+
+def _fusion_mask(sq: int, sk: int, atten_mask: torch.Tensor | None, sparse_mode: int,
+                 pre_tockens: int, next_tockens: int, device: torch.device
+                 ) -> tuple[torch.Tensor | None, bool]:
+    """(opforge's boolean mask, True where seen; bottom-right causal) for one sequence under
+    a sparse mode: 0 the given mask within a band aligned top-left, 1 the given mask, 2
+    causal aligned top-left, 3 causal aligned bottom-right, 4 a band aligned bottom-right.
+    Modes 2-4 build their own mask (CANN's compressed 2048 x 2048 one is not read)."""
+    if sparse_mode == 3:
+        return None, True
+    if sparse_mode == 2:
+        return (None, True) if sq == sk else (_band(sq, sk, ALL_TOKENS, 0, 0, device), False)
+    if sparse_mode == 4:
+        return _band(sq, sk, pre_tockens, next_tockens, sk - sq, device), False
+    keep = None if atten_mask is None else ~atten_mask.bool()
+    if sparse_mode == 0:
+        band = _band(sq, sk, pre_tockens, next_tockens, 0, device)
+        keep = band if keep is None else keep if band is None else keep & band
+    return keep, False
+
+
+def _with_pse(keep: torch.Tensor | None, pse: torch.Tensor | None, scale: float,
+              dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask opforge's attention takes: ``scale * pse`` added to the scores (CANN adds
+    pse before scaling), -inf where ``keep`` hides a key; or the boolean ``keep``."""
+    if pse is None:
+        return keep
+    bias = pse.to(torch.float64 if dtype == torch.float64 else torch.float32) * scale
+    return bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+
+
+def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         head_num: int, input_layout: str, pse: torch.Tensor | None = None,
+                         padding_mask: torch.Tensor | None = None,
+                         atten_mask: torch.Tensor | None = None, scale: float = 1.0,
+                         keep_prob: float = 1.0, pre_tockens: int = ALL_TOKENS,
+                         next_tockens: int = ALL_TOKENS, inner_precise: int = 0,
+                         prefix: Sequence[int] | None = None,
+                         actual_seq_qlen: Sequence[int] | None = None,
+                         actual_seq_kvlen: Sequence[int] | None = None, sparse_mode: int = 0,
+                         gen_mask_parallel: bool = True, sync: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    int, int, int]:
+    """``torch_npu.npu_fusion_attention`` (CANN FlashAttentionScore) over `opforge.attention`:
+    ``softmax(mask(scale * (q k^T + pse))) v`` in ``input_layout`` ``BSH``, ``SBH``,
+    ``BSND``, ``BNSD`` or ``TND`` (packed sequences with cumulative ``actual_seq_qlen`` /
+    ``actual_seq_kvlen``, each sequence run on its own rows: no ``T x T`` mask).
+
+    ``atten_mask`` is CANN's: True (1) hides a key; shapes ``(B, N, Sq, Sk)``, ``(B, 1, Sq,
+    Sk)``, ``(1, 1, Sq, Sk)`` or ``(Sq, Sk)``. ``sparse_mode``: 0 the mask within the band
+    ``-pre_tockens <= j - i <= next_tockens``; 1 the mask as given; 2 causal aligned
+    top-left; 3 causal aligned bottom-right; 4 the band aligned bottom-right (modes 2-4
+    build their own mask and ignore ``atten_mask``, CANN's compressed form of it). ``pse``
+    (``(B|1, N, Sq, Sk)``) is added before the scale and gets no gradient. A query that sees
+    no key gets 0 (CANN leaves such rows undefined).
+
+    Returns:
+        ``(attention_out in input_layout, softmax_max, softmax_sum, softmax_out, seed,
+        offset, numels)``: the statistics float32 ``(B, N, Sq, 8)`` (``(T, N, 8)`` for TND)
+        holding opforge's log-sum-exp as the max and ones as the sum (the same softmax
+        normalisation, ``sum exp(s - lse) = 1``, not CANN's split of it) repeated 8 times;
+        ``softmax_out`` empty; seed, offset and numels 0 (no dropout).
+
+    Raises:
+        UnsupportedError: ``keep_prob < 1`` (dropout), ``padding_mask``, ``prefix``.
+        AttrError: an unknown layout or sparse mode. ShapeError: TND without both length
+            lists, or lists that do not cover the tokens. Otherwise as `opforge.attention`.
+    """
+    for name, value_given in (("keep_prob", keep_prob != 1.0),
+                              ("padding_mask", padding_mask is not None),
+                              ("prefix", prefix is not None)):
+        if value_given:
+            raise UnsupportedError(f"{name} is not supported (no dropout, no prefix mode)",
+                                   op="npu_fusion_attention", param=name, expected="default",
+                                   got="a value")
+    if sparse_mode not in SPARSE_MODES:
+        raise AttrError("unknown sparse mode", op="npu_fusion_attention", param="sparse_mode",
+                        expected="0..4", got=sparse_mode)
+    if input_layout == "TND":
+        return _packed_fusion_attention(query, key, value, atten_mask, pse, scale,
+                                        pre_tockens, next_tockens, actual_seq_qlen,
+                                        actual_seq_kvlen, sparse_mode)
+    if input_layout not in ("BSH", "SBH", "BSND", "BNSD"):
+        raise AttrError("unknown layout", op="npu_fusion_attention", param="input_layout",
+                        expected="BSH | SBH | BSND | BNSD | TND", got=input_layout)
+    sq = query.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[input_layout]]
+    sk = key.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[input_layout]]
+    keep, causal = _fusion_mask(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens,
+                                query.device)
+    out, lse = attention(query, key, value, causal, scale, True,
+                         attn_mask=_with_pse(keep, pse, scale, query.dtype),
+                         layout=input_layout, heads=head_num)
+    softmax_max = lse.float()[..., None].expand(*lse.shape, 8).contiguous()
+    return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
+
+
+def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             atten_mask: torch.Tensor | None, pse: torch.Tensor | None,
+                             scale: float, pre_tockens: int, next_tockens: int,
+                             actual_seq_qlen: Sequence[int] | None,
+                             actual_seq_kvlen: Sequence[int] | None, sparse_mode: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        int, int, int]:
+    """TND: each sequence's rows as a batch of one (BSND views), outputs concatenated."""
+    if actual_seq_qlen is None or actual_seq_kvlen is None or \
+            len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise ShapeError("TND needs actual_seq_qlen and actual_seq_kvlen of one length",
+                         op="npu_fusion_attention", param="actual_seq_qlen",
+                         expected="two cumulative length lists", got=(actual_seq_qlen,
+                                                                      actual_seq_kvlen))
+    query_ends, key_ends = [int(n) for n in actual_seq_qlen], [int(n) for n in actual_seq_kvlen]
+    for name, ends, total in (("actual_seq_qlen", query_ends, query.shape[0]),
+                              ("actual_seq_kvlen", key_ends, key.shape[0])):
+        if any(b < a for a, b in zip([0, *ends], ends, strict=False)) or \
+                (ends and ends[-1] != total) or (not ends and total):
+            raise ShapeError("must be non-decreasing cumulative lengths ending at the "
+                             "token count", op="npu_fusion_attention", param=name,
+                             expected=f"... ending at {total}", got=ends)
+    outs, statistics = [], []
+    for q_start, q_end, k_start, k_end in zip([0, *query_ends], query_ends, [0, *key_ends],
+                                              key_ends, strict=False):
+        sq, sk = q_end - q_start, k_end - k_start
+        keep, causal = _fusion_mask(
+            sq, sk, None if atten_mask is None else atten_mask[..., :sq, :sk], sparse_mode,
+            pre_tockens, next_tockens, query.device)
+        out, lse = attention(query[None, q_start:q_end], key[None, k_start:k_end],
+                             value[None, k_start:k_end], causal, scale, True,
+                             attn_mask=_with_pse(keep, None if pse is None else
+                                                 pse[..., :sq, :sk], scale, query.dtype),
+                             layout="BSND")
+        outs.append(out[0])
+        statistics.append(lse[0].transpose(0, 1))  # (S, N)
+    out = torch.cat(outs) if outs else value.new_empty((0, *value.shape[1:]))
+    lse = torch.cat(statistics) if statistics else query.new_empty((0, query.shape[1]))
+    softmax_max = lse.float()[..., None].expand(*lse.shape, 8).contiguous()
+    return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
