@@ -389,7 +389,7 @@ def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = Non
     leading = x.shape[:-1]
     y, idx, out = call("moe_gating_top_k", x.reshape(-1, x.shape[-1]), bias, k, k_group,
                        group_count, group_select_mode, renorm, norm_type, out_flag,
-                       routed_scaling_factor, eps, sigmoid_renorm)
+                       routed_scaling_factor, eps, sigmoid_renorm, False)
     if x.dim() != 2:
         y, idx = y.view(*leading, k), idx.view(*leading, k)
         out = out.view(*leading, x.shape[-1]) if out_flag else out
@@ -397,12 +397,16 @@ def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = Non
 
 
 def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
-                             k: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             k: int = 1, round_scores: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k of ``softmax(x)`` over the last dim with MoeGatingTopKSoftmax's outputs.
 
     Args:
         x: 2-D or 3-D logits. finished: bool of x's leading dims; those rows get expert
             index E. k: 1..min(E, 1024).
+        round_scores: select on the probabilities rounded to x's dtype (ties to the lower
+            expert), as the vendor's float16 golden does; by default the float32
+            probabilities decide (more precise).
 
     Returns:
         ``(y, expert_idx, row_idx)`` of shape ``(*x.shape[:-1], k)``: y in x's dtype,
@@ -412,7 +416,7 @@ def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = No
     Raises:
         ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
     """
-    return call("moe_gating_top_k_softmax", x, finished, k)
+    return call("moe_gating_top_k_softmax", x, finished, k, round_scores)
 
 
 def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,

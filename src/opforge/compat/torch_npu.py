@@ -52,13 +52,20 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
                      epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch_npu.npu_add_rms_norm``: ``(rms_norm(x1 + x2), rstd, x1 + x2)``, each input
-    read once.
+    """``torch_npu.npu_add_rms_norm``: ``(rms_norm(x1 + x2), rstd, x1 + x2)``. The vendor
+    normalises the sum rounded to the inputs' dtype (its golden, `test_npu_add_rms_norm.py`):
+    16-bit inputs take that rounded sum (an add, then rms_norm), float32 ones the fused
+    operator (its float32 sum is the same). `opforge.add_rms_norm` normalises the
+    unrounded sum.
 
     Raises:
         ShapeError: ``x2`` differs from ``x1`` in shape, or a bad ``gamma``.
     """
-    y, rstd, total = call("add_rms_norm", x1, x2, gamma, epsilon)
+    if x1.dtype in (torch.float16, torch.bfloat16) and x1.shape == x2.shape:
+        total = x1 + x2
+        y, rstd = call("rms_norm", total, gamma, epsilon)
+    else:
+        y, rstd, total = call("add_rms_norm", x1, x2, gamma, epsilon)
     return y, rstd.unsqueeze(-1), total
 
 
@@ -140,8 +147,10 @@ def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None 
                                  k: int = 1
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch_npu.npu_moe_gating_top_k_softmax``: ``(y, expert_idx, row_idx)`` (see
-    `opforge.moe_gating_top_k_softmax`)."""
-    return moe_gating_top_k_softmax(x, finished, k)
+    `opforge.moe_gating_top_k_softmax`), the experts selected on the probabilities rounded
+    to x's dtype, ties to the lower index, as the vendor's golden
+    (`test_npu_moe_gating_top_k_softmax.py`) selects."""
+    return moe_gating_top_k_softmax(x, finished, k, round_scores=True)
 
 
 def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,

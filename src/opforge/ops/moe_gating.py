@@ -2,10 +2,11 @@
 ``torch_npu.npu_moe_gating_top_k``) and MoeGatingTopKSoftmax.
 
 ``moe_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type,
-out_flag, routed_scaling_factor, eps, sigmoid_renorm) -> (y, expert_idx, out)`` over ``x``
-``(rows, E)``::
+out_flag, routed_scaling_factor, eps, sigmoid_renorm, round_scores) -> (y, expert_idx,
+out)`` over ``x`` ``(rows, E)``::
 
     norm = softmax(x) (norm_type 0) or sigmoid(x) (1)                 float32
+    if round_scores: norm = float32(rounded_to_x_dtype(norm))        (the vendor's fp16 rule)
     sel  = norm + bias                                                bias: selection only
     if grouped: score each of group_count groups by its max (group_select_mode 0) or the
                 sum of its top two (1) and keep the best k_group groups; others -> -inf
@@ -79,6 +80,9 @@ NAN_KEY = -(2**31) + 1
 NEG_INF_KEY = -2139095041  # the key of -inf: 0xFF800000 with its magnitude bits flipped
 TILE_ELEMENTS = {"cuda": 4096, "cpu": 1 << 16}
 
+ROUND_SCORES_ATTR = Attr("round_scores", "bool", False,
+                         doc="select on the scores rounded to x's dtype (the vendor's fp16 "
+                             "rule)")
 GATING_ATTRS = (
     Attr("k", "int", 1, range=(1, MAX_EXPERTS), doc="experts per row"),
     Attr("k_group", "int", 1, range=(1, MAX_EXPERTS), doc="groups kept"),
@@ -91,7 +95,9 @@ GATING_ATTRS = (
     Attr("eps", "float", 1e-20, range=(0.0, None), doc="added to the renormalising sum"),
     Attr("sigmoid_renorm", "bool", True,
          doc="renormalise sigmoid weights (CANN always does; off: norm_topk_prob=False)"),
+    ROUND_SCORES_ATTR,
 )
+
 
 
 def renormalises(renorm: int, norm_type: int, sigmoid_renorm: bool) -> bool:
@@ -251,9 +257,11 @@ def _weights_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: A
 def _torch_gating(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: int,
                   group_count: int, group_select_mode: int, renorm: int, norm_type: int,
                   out_flag: bool, routed_scaling_factor: float, eps: float,
-                  sigmoid_renorm: bool) -> tuple[torch.Tensor, ...]:
+                  sigmoid_renorm: bool, round_scores: bool) -> tuple[torch.Tensor, ...]:
     """DeepSeek-V3's Gate in torch ops (float32 scores, torch.topk), CANN's renorm rule"""
     scores = torch.softmax(x.float(), -1) if norm_type == 0 else torch.sigmoid(x.float())
+    if round_scores:
+        scores = scores.to(x.dtype).float()
     sel = scores if bias is None else scores + bias.float()
     if group_count > 1 and k_group < group_count:
         grouped = sel.view(x.shape[0], group_count, x.shape[1] // group_count)
@@ -368,10 +376,13 @@ def _softmax_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
     return [Case("k4", (x, None), {"k": 4})]
 
 
-def _torch_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None, k: int
-                         ) -> tuple[torch.Tensor, ...]:
-    """torch.topk of torch.softmax in float32"""
-    values, idx = torch.softmax(x.float(), -1).topk(k, -1)
+def _torch_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None, k: int,
+                         round_scores: bool) -> tuple[torch.Tensor, ...]:
+    """torch.topk of torch.softmax in float32 (rounded to x's dtype with round_scores)"""
+    probabilities = torch.softmax(x.float(), -1)
+    if round_scores:
+        probabilities = probabilities.to(x.dtype).float()
+    values, idx = probabilities.topk(k, -1)
     idx = idx.int()
     if finished is not None:
         idx = torch.where(finished[..., None], x.shape[-1], idx)
@@ -388,7 +399,8 @@ MOE_GATING_TOP_K_SOFTMAX = OpDef(
     inputs=(TensorArg("x", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
             TensorArg("finished", dtypes=(torch.bool,), optional=True)),
     outputs=(OutputArg("y"), OutputArg("expert_idx"), OutputArg("row_idx")),
-    attrs=(Attr("k", "int", 1, range=(1, 1024), doc="experts per row"),),
+    attrs=(Attr("k", "int", 1, range=(1, 1024), doc="experts per row"),
+           ROUND_SCORES_ATTR),
     infer_shape=_softmax_shapes, infer_dtype=_softmax_dtypes, check=_check_softmax,
     cost=_softmax_cost, tiling=_softmax_tiling, grid=_softmax_grid, samples=_softmax_samples,
     error_scale=_weights_scale,
@@ -414,12 +426,14 @@ def _top(keys: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def select_experts(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: int,
-                   group_count: int, group_select_mode: int, norm_type: int
-                   ) -> torch.Tensor:
-    """The int64 ``(rows, k)`` experts chosen, from float32 scores exactly as the kernel
-    chooses them."""
+                   group_count: int, group_select_mode: int, norm_type: int,
+                   round_scores: bool = False) -> torch.Tensor:
+    """The int64 ``(rows, k)`` experts chosen, from float32 scores (rounded to x's dtype
+    with ``round_scores``) exactly as the kernel chooses them."""
     x32 = x.to(torch.float32)
     norm = torch.softmax(x32, -1) if norm_type == 0 else torch.sigmoid(x32)
+    if round_scores:
+        norm = norm.to(x.dtype).float()
     sel = norm if bias is None else norm + bias.to(torch.float32)
     keys = ordered_keys(sel)
     if group_count > 1 and k_group < group_count:
@@ -440,12 +454,15 @@ def select_experts(x: torch.Tensor, bias: torch.Tensor | None, k: int, k_group: 
 def reference(x: torch.Tensor, bias: torch.Tensor | None, *, compute_dtype: torch.dtype,
               k: int, k_group: int, group_count: int, group_select_mode: int, renorm: int,
               norm_type: int, out_flag: bool, routed_scaling_factor: float, eps: float,
-              sigmoid_renorm: bool) -> tuple[torch.Tensor, ...]:
+              sigmoid_renorm: bool, round_scores: bool) -> tuple[torch.Tensor, ...]:
     """(y, expert_idx, out): the selection on float32 scores, the weights and scores in
-    ``compute_dtype``."""
-    idx = select_experts(x, bias, k, k_group, group_count, group_select_mode, norm_type)
+    ``compute_dtype`` (with ``round_scores``, the scores rounded to x's dtype first)."""
+    idx = select_experts(x, bias, k, k_group, group_count, group_select_mode, norm_type,
+                         round_scores)
     wide = x.to(compute_dtype)
     norm = torch.softmax(wide, -1) if norm_type == 0 else torch.sigmoid(wide)
+    if round_scores:
+        norm = norm.to(x.dtype).to(compute_dtype)
     weights = norm.gather(1, idx)
     if renormalises(renorm, norm_type, sigmoid_renorm):
         weights = weights / (weights.sum(-1, keepdim=True) + eps)
@@ -466,12 +483,14 @@ def _finished_and_rows(idx: torch.Tensor, finished: torch.Tensor | None, experts
 
 @MOE_GATING_TOP_K_SOFTMAX.reference
 def softmax_reference(x: torch.Tensor, finished: torch.Tensor | None, *,
-                      compute_dtype: torch.dtype, k: int) -> tuple[torch.Tensor, ...]:
+                      compute_dtype: torch.dtype, k: int, round_scores: bool
+                      ) -> tuple[torch.Tensor, ...]:
     """(y, expert_idx, row_idx): moe_gating_top_k's softmax form on the flattened rows."""
     experts = x.shape[-1]
     flat = x.reshape(-1, experts)
     y, idx, _ = reference(flat, None, compute_dtype=compute_dtype,
-                          **{**MOE_GATING_TOP_K.bind_attrs({"k": k})})
+                          **MOE_GATING_TOP_K.bind_attrs({"k": k,
+                                                         "round_scores": round_scores}))
     idx, row_idx = _finished_and_rows(idx, finished, experts)
     shape = (*x.shape[:-1], k)
     return y.view(shape), idx.view(shape), row_idx.view(shape)
@@ -498,8 +517,9 @@ if triton is not None:
     def _gating_kernel(x_ptr, bias_ptr, y_ptr, idx_ptr, out_ptr, R, E, EG, G, K, K_GROUP,
                        stride_x, scale, eps, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
                        GROUPED: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
-                       OUT_FLAG: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+                       OUT_FLAG: tl.constexpr, ROUND_SCORES: tl.constexpr, WIDE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
         """``BLOCK_M`` rows a program (persistently). ``WIDE``: row offsets in int64 (rows
         x experts past int32)."""
         group = tl.arange(0, BLOCK_G)[None, :, None]
@@ -526,6 +546,8 @@ if triton is not None:
                 exps = tl.where(mask, exps, 0.0)
                 norm = exps / tl.sum(tl.sum(exps, 2), 1)[:, None, None]
             norm = tl.where(mask, norm, 0.0)
+            if ROUND_SCORES:
+                norm = widen(rounded_for(norm, y_ptr))
             sel = norm
             if HAS_BIAS:
                 sel = norm + bias
@@ -599,7 +621,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         SIGMOID=attrs["norm_type"] == 1, GROUPED=grouped,
         TOP2=attrs["group_select_mode"] == 1,
         RENORM=renormalises(attrs["renorm"], attrs["norm_type"], attrs["sigmoid_renorm"]),
-        OUT_FLAG=attrs["out_flag"],
+        OUT_FLAG=attrs["out_flag"], ROUND_SCORES=attrs["round_scores"],
         WIDE=wide_offsets(x, out), **plan.tiling.blocks, **launch_options(plan.tiling))
 
 
@@ -612,7 +634,8 @@ def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
     experts = x.shape[-1]
     flat = x.reshape(-1, experts)
     y, idx, row_idx = (t.view(flat.shape[0], -1) for t in outputs)
-    make_plan(MOE_GATING_TOP_K, flat, None, k=plan.attrs["k"]).run(
+    make_plan(MOE_GATING_TOP_K, flat, None, k=plan.attrs["k"],
+              round_scores=plan.attrs["round_scores"]).run(
         flat, None, out=(y, idx, torch.empty(0, device=x.device)))
     new_idx, new_rows = _finished_and_rows(idx, finished, experts)
     idx.copy_(new_idx)
@@ -625,7 +648,7 @@ def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
                    ) -> None:
-    x, renorm, norm_type, out_flag, scale, eps, sigmoid_renorm = (inputs[0], *inputs[6:])
+    x, renorm, norm_type, out_flag, scale, eps, sigmoid_renorm = (inputs[0], *inputs[6:12])
     ctx.save_for_backward(x, output[1])
     ctx.renorm = renormalises(renorm, norm_type, sigmoid_renorm)
     ctx.sigmoid, ctx.out_flag, ctx.scale, ctx.eps = norm_type == 1, out_flag, scale, eps
@@ -671,7 +694,7 @@ def backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | 
 def _softmax_setup_context(ctx: object, inputs: tuple[object, ...],
                            output: tuple[torch.Tensor, ...]) -> None:
     ctx.save_for_backward(inputs[0])
-    ctx.k = inputs[2]
+    ctx.k, ctx.round_scores = inputs[2], inputs[3]
 
 
 @MOE_GATING_TOP_K_SOFTMAX.autograd(_softmax_setup_context)
@@ -682,10 +705,10 @@ def softmax_backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.T
     (x,) = ctx.saved_tensors
     experts = x.shape[-1]
     flat = x.reshape(-1, experts)
-    idx = select_experts(flat, None, ctx.k, 1, 1, 0, 0)
+    idx = select_experts(flat, None, ctx.k, 1, 1, 0, 0, ctx.round_scores)
     grad = None if grad_y is None else grad_y.reshape(-1, ctx.k)
     grad_x = _scores_gradient(flat, idx, grad, None, False, False, 1.0, 0.0)
-    return grad_x.reshape(x.shape), None, None
+    return grad_x.reshape(x.shape), None, None, None
 
 
 register_op(MOE_GATING_TOP_K)
