@@ -124,6 +124,29 @@ def test_add_rms_norm_gradients_reach_both_inputs(backend):
         assert (ours.grad.double() - theirs.grad).abs().max() <= 1e-5 * theirs.grad.abs().max()
 
 
+@pytest.mark.parametrize("x_dtype, weight_dtype", [(torch.bfloat16, torch.float32),
+                                                    (torch.float16, torch.float32),
+                                                    (torch.float32, torch.bfloat16)], ids=str)
+def test_a_weight_of_another_dtype_follows_torch_promotion(x_dtype, weight_dtype, backend):
+    """y in torch's promoted dtype (float32 for a bf16 x with a float32 weight, as Hugging
+    Face's RMSNorm returns), rounded once: within the promoted dtype's bound of the
+    float64 golden; gradients in x's and the weight's own dtypes, as autograd needs."""
+    x = _x(6, 257, dtype=x_dtype).requires_grad_()
+    weight = _x(257, dtype=weight_dtype, seed=1).requires_grad_()
+    y = opforge.rms_norm(x, weight)
+    assert y.dtype == torch.promote_types(x_dtype, weight_dtype)
+    assert_golden(opforge.get_op("rms_norm"), Case("mixed", (x.detach(), weight.detach())),
+                  (y.detach(), torch.ops.opforge.rms_norm(x.detach(), weight.detach())[1]))
+    grad_x, grad_weight = torch.autograd.grad(y.square().sum(), (x, weight))
+    assert grad_x.dtype == x_dtype and grad_weight.dtype == weight_dtype
+    wide = [t.detach().double().requires_grad_() for t in (x, weight)]
+    expected = torch.nn.functional.rms_norm(wide[0], (257,), wide[1], 1e-6)
+    expected_grads = torch.autograd.grad(expected.square().sum(), wide)
+    for got, want in zip((grad_x, grad_weight), expected_grads, strict=True):
+        bound = 4 * torch.finfo(got.dtype).eps * want.abs().max()
+        assert (got.double() - want).abs().max() <= bound
+
+
 def test_gradcheck_in_float64():
     x = _x(3, 9).double().requires_grad_()
     weight = _x(9, seed=1).double().requires_grad_()

@@ -121,7 +121,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
              eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, like
     ``torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)``; statistics in float32,
-    output in ``x.dtype``. `opforge.compat.torch_npu.npu_rms_norm` also returns ``rstd``.
+    output in torch's promoted dtype of ``x`` and ``weight`` (``x.dtype`` without a weight;
+    float32 for a bfloat16 ``x`` with a float32 weight, as Hugging Face's RMSNorm returns),
+    rounded once. `opforge.compat.torch_npu.npu_rms_norm` also returns ``rstd``.
 
     Args:
         x: float32/float16/bfloat16/float64, any leading shape.

@@ -3,8 +3,8 @@
 
 What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 
-- every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``, the
-  result in torch's promoted dtype of the input and the weight, as the module gives);
+- every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
+  result in torch's promoted dtype of the input and the weight, as the module gives it);
 - every SwiGLU MLP's activation by `opforge.silu` (``down(silu(gate(x)) * up(x))``);
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
@@ -87,11 +87,8 @@ _ROPE_OWNERS: dict[str, tuple[int, dict[str, Callable]]] = {}
 
 
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    out = rms_norm(hidden_states, self.weight.to(hidden_states.dtype)
-                   if self.weight.dtype != hidden_states.dtype else self.weight,
-                   self.variance_epsilon)
-    # transformers multiplies the weight last: torch's promotion decides the dtype.
-    return out.to(torch.promote_types(hidden_states.dtype, self.weight.dtype))
+    # The dtype is torch's promotion of the input's and the weight's, as transformers'.
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor

@@ -9,8 +9,10 @@ sqrt(N)) or may have underflowed (values below about 1e-19) is summed again, sca
 power of two (`opforge.ops._norm`), and normalises as in float64.
 ``add_rms_norm(x, residual, weight, eps) -> (y, rstd, x + residual)`` reads each input once
 and normalises the float32 sum (CANN's AddRmsNorm). ``weight`` may be ``None`` (no scale)
-and may have its own float dtype; outputs have ``x``'s dtype, ``rstd`` float32 (float64
-for float64 ``x``) with ``x``'s leading shape.
+and may have its own float dtype: rms_norm's ``y`` then has torch's promoted dtype of the
+two (a bfloat16 ``x`` with a float32 weight gives float32, rounded once, as Hugging Face's
+RMSNorm modules return float32 there), add_rms_norm's outputs keep ``x``'s dtype; ``rstd``
+is float32 (float64 for float64 ``x``) with ``x``'s leading shape.
 
 ``rms_norm_backward(grad, x, rstd, weight) -> (grad_x, grad_weight)`` with
 ``x_hat = x * rstd``, ``g = grad * weight``: ``grad_x = rstd * (g - x_hat * mean(g x_hat))``
@@ -101,10 +103,16 @@ def _forward_shapes(residual: bool) -> Callable[[Specs, Attrs], list[tuple[int, 
 
 
 def _forward_dtypes(residual: bool) -> Callable[[Specs, Attrs], list[torch.dtype]]:
+    """rms_norm's y: torch's promotion of x's and the weight's dtypes (``weight * x_hat``,
+    as Hugging Face's RMSNorm modules compute it); add_rms_norm's outputs: x's dtype
+    (CANN's AddRmsNorm)."""
     def infer(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
         dtype = inputs[0].dtype
         stats = statistics_dtype(dtype)
-        return [dtype, stats, dtype] if residual else [dtype, stats]
+        if residual:
+            return [dtype, stats, dtype]
+        weight = inputs[1]
+        return [dtype if weight is None else torch.promote_types(dtype, weight.dtype), stats]
     return infer
 
 
@@ -116,8 +124,10 @@ def _backward_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
 
 
 def _backward_dtypes(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
-    weight = inputs[3]
-    return [inputs[0].dtype, weight.dtype if weight is not None else inputs[0].dtype]
+    """grad_x in x's dtype (the gradient may arrive in y's promoted one), grad_weight in
+    the weight's."""
+    x, weight = inputs[1], inputs[3]
+    return [x.dtype, weight.dtype if weight is not None else x.dtype]
 
 
 def _cost(reads: int, writes: int) -> Callable[[Specs, Specs, Attrs], Cost]:
@@ -216,9 +226,12 @@ def _norm_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attr
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.nn.functional.rms_norm"""
-    y = torch.nn.functional.rms_norm(x, x.shape[-1:], weight if weight is None
-                                     else weight.to(x.dtype), eps)
+    """torch.nn.functional.rms_norm (a weight of another dtype multiplied after it, in the
+    promoted dtype)"""
+    if weight is not None and weight.dtype != x.dtype:
+        y = torch.nn.functional.rms_norm(x, x.shape[-1:], None, eps) * weight
+    else:
+        y = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)
     rstd = torch.rsqrt(x.float().square().mean(-1) + eps)
     return y, rstd
 
