@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run test lint verify bench certificate study clean portability ascend-check \
-	test-triton32 test-notriton
+	test-triton32 test-notriton msprobe-fixtures
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -84,5 +84,17 @@ test-notriton: $(NOTRITON)/.installed
 
 portability: ascend-check test-triton32 test-notriton
 
+# The msprobe dumps tests/test_msprobe.py reads, written by MindStudio Probe itself in its
+# own environment (committed; not part of CI).
+MSPROBE := .venv-msprobe
+$(MSPROBE)/.installed: constraints-msprobe.txt
+	rm -rf $(MSPROBE) && $(PYTHON) -m venv $(MSPROBE)
+	$(MSPROBE)/bin/python -m pip install --quiet --upgrade pip
+	$(MSPROBE)/bin/python -m pip install --quiet -c constraints-msprobe.txt torch mindstudio-probe
+	touch $@
+
+msprobe-fixtures: $(MSPROBE)/.installed
+	$(MSPROBE)/bin/python tests/fixtures/msprobe/generate.py
+
 clean:
-	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) reports .pytest_cache
+	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) $(MSPROBE) reports .pytest_cache

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -350,38 +351,60 @@ def _lower_for_npu(ops: Sequence[Any], dtypes: Sequence[Any], target: Any, hardw
     return 1 if failed else 0
 
 
+def _run_steps(run: Path) -> dict[tuple[int, int], Callable[[], object]]:
+    """``(rank, step) -> reader`` of an opforge dump or an msprobe dump (its root or one
+    step folder)."""
+    from opforge.precision import msprobe
+    from opforge.precision.dump import read_step, step_folders, step_number
+
+    if msprobe.is_msprobe_dump(run):
+        return {place: functools.partial(msprobe.read_step, folder)
+                for place, folder in msprobe.step_folders(run).items()}
+    return {step_number(folder): functools.partial(read_step, folder)
+            for folder in step_folders(run)}
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
+    from opforge.precision import msprobe
     from opforge.precision.dump import (
         DumpError,
         compare_steps,
         first_divergence,
         growth_point,
         plot_errors,
-        read_step,
-        step_folders,
-        step_number,
+        unmatched,
     )
 
     run_a, run_b = Path(args.run_a), Path(args.run_b)
     try:
-        folders_a, folders_b = step_folders(run_a), step_folders(run_b)
-        names_a = [f.relative_to(run_a) for f in folders_a]
-        names_b = [f.relative_to(run_b) for f in folders_b]
-        if names_a != names_b:
-            raise DumpError(f"the runs hold different steps: {[str(n) for n in names_a]} vs "
-                            f"{[str(n) for n in names_b]}")
+        steps_a, steps_b = _run_steps(run_a), _run_steps(run_b)
+        if steps_a.keys() != steps_b.keys() and not args.intersection:
+            raise DumpError(f"the runs hold different steps: "
+                            f"{[f'rank{r}/step{s}' for r, s in sorted(steps_a)]} vs "
+                            f"{[f'rank{r}/step{s}' for r, s in sorted(steps_b)]}")
+        places = sorted(steps_a.keys() & steps_b.keys(), key=lambda place: place[::-1])
+        if not places:
+            raise DumpError("the runs share no step")
         tolerance = getattr(torch, args.dtype) if args.dtype else None
-        compared = [(name, compare_steps(read_step(run_a / name), read_step(run_b / name),
-                                         tolerance)) for name in names_a]
+        compared, left_out = [], [0, 0]
+        for rank, step in places:
+            a, b = steps_a[rank, step](), steps_b[rank, step]()
+            compared.append((f"rank{rank}/step{step}", a,
+                             compare_steps(a, b, tolerance, intersection=args.intersection)))
+            left_out = [total + count for total, count in zip(left_out, unmatched(a, b),
+                                                              strict=True)]
     except DumpError as error:
         return _error(str(error))
-    diverged = [(name, results) for name, results in compared
-                if first_divergence(results) is not None]
-    # The earliest step that diverged on any rank, not rank 0's first.
-    name, results = min(diverged, key=lambda item: step_number(run_a / item[0])[::-1]) \
-        if diverged else compared[0]
+    if args.intersection:
+        console.print(f"--intersection: compared the entries both runs hold; left out "
+                      f"{left_out[0]} of the reference only and {left_out[1]} of the other "
+                      "run only")
+    diverged = [item for item in compared if first_divergence(item[2]) is not None]
+    # The earliest step that diverged on any rank, not rank 0's first (places are sorted
+    # by step, then rank).
+    name, step_a, results = diverged[0] if diverged else compared[0]
     first, growth = first_divergence(results), growth_point(results)
     table = Table(title=f"opforge compare {_shown(run_a)} (reference) vs {_shown(run_b)}: "
                         f"{name}")
@@ -410,8 +433,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         console.print(f"no divergence in {len(compared)} step(s): the runs agree within the "
                       "standard of their lower-precision dtype")
         return 0
+    call, phase = results[first].key.split("#")[1].split(".")[:2]
+    scope = msprobe.api_scopes(step_a.folder).get(f"{results[first].module}.{call}.{phase}")
     console.print(f"[red]diverged[/] at {name}: first divergent module "
-                  f"{_shown(results[first].module or '<model>')} "
+                  f"{_shown(results[first].module or '<model>')}"
+                  f"{f' (in {_shown(scope)})' if scope else ''} "
                   f"({_shown(results[first].key)}); error starts to grow at "
                   f"{_shown(results[growth].key) if growth is not None else '-'}")
     return 1
@@ -820,8 +846,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--quiet", action="store_true",
                        help="list only the variants that failed, then the totals")
     compare = sub.add_parser("compare", help="find where two dumped runs diverge")
-    compare.add_argument("run_a", help="reference run folder (written by precision.dump)")
-    compare.add_argument("run_b", help="run to check")
+    compare.add_argument("run_a", help="reference run: an opforge dump (precision.dump) or "
+                                       "an msprobe dump (its dump_path or a step folder)")
+    compare.add_argument("run_b", help="run to check (either kind)")
+    compare.add_argument("--intersection", action="store_true",
+                         help="compare only the steps and entries both runs hold (and say "
+                              "how many were left out) instead of refusing runs that differ")
     compare.add_argument("--dtype", default=None, choices=["float16", "bfloat16"],
                          help="judge every entry with at least this dtype's tolerance (the "
                               "compute dtype of an autocast run)")

@@ -254,7 +254,11 @@ class StepDump:
 
 
 PHASES = ("forward", "backward")
-IOS = ("input", "output")
+# "parameter": a parameter's value (forward) or gradient (backward), as msprobe dumps them;
+# "local_input": the share of an input's gradient that one module's backward gives (msprobe's
+# full backward hooks), where "input" is the tensor's whole gradient (tensor hooks: the
+# shares of every consumer, a residual's included).
+IOS = ("input", "output", "parameter", "local_input")
 # The dtypes a comparison has a standard for (`THRESHOLDS["run_compare"]`).
 COMPARED_DTYPES = {str(d).removeprefix("torch."): d for d in THRESHOLDS["run_compare"]}
 _STAT_NUMBERS = ("min", "max", "mean", "norm")
@@ -492,8 +496,8 @@ def _compare_statistics(entry_a: dict[str, Any], entry_b: dict[str, Any]) -> Met
     return compare_tensors(vector(entry_b), vector(entry_a), dtype=torch.float64)
 
 
-def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
-                  ) -> list[EntryComparison]:
+def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None,
+                  intersection: bool = False) -> list[EntryComparison]:
     """Compare two dumps of one step entry by entry, in ``a``'s call order; ``a`` is the
     reference. Entries are matched by key (module, call, phase, io, index), not by
     position: the order in which gradient hooks fire depends on whether a module returns
@@ -501,7 +505,9 @@ def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
     tolerance of the lower-precision dtype of its two sides, or of ``tolerance`` when that
     is lower: the compute dtype of a run under autocast, whose float32 tensors (a residual
     stream, a norm's output) carry its errors. An entry with elements none of which is
-    finite on both sides has NaN cosine and errors: nothing could be compared.
+    finite on both sides has NaN cosine and errors: nothing could be compared. With
+    ``intersection``, entries of one run only are left out instead (`unmatched` counts
+    them); the two runs must still share at least one.
 
     Raises:
         DumpError: the modes differ, or the entries do not line up (a key in one run only,
@@ -515,7 +521,12 @@ def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
     keys_a = {e["key"] for e in entries_a}
     only_a = next((e["key"] for e in entries_a if e["key"] not in by_key_b), None)
     only_b = next((e["key"] for e in entries_b if e["key"] not in keys_a), None)
-    if only_a is not None or only_b is not None:
+    if intersection:
+        entries_a = [e for e in entries_a if e["key"] in by_key_b]
+        if not entries_a:
+            raise DumpError(f"{a.folder} and {b.folder} share no entry (first of the "
+                            f"reference: {only_a}; of the other run: {only_b})")
+    elif only_a is not None or only_b is not None:
         raise DumpError(f"{a.folder} and {b.folder} do not line up: {len(entries_a)} vs "
                         f"{len(entries_b)} entries; first only in the reference: {only_a}; "
                         f"first only in the other run: {only_b}")
@@ -545,6 +556,13 @@ def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
             metrics.max_rel, metrics.thousandth_ratio, metrics.five_thousandths_ratio,
             diverged, norm_error))
     return results
+
+
+def unmatched(a: StepDump, b: StepDump) -> tuple[int, int]:
+    """(entries only in ``a``, entries only in ``b``)."""
+    keys_a = {e["key"] for e in a.manifest["entries"]}
+    keys_b = {e["key"] for e in b.manifest["entries"]}
+    return len(keys_a - keys_b), len(keys_b - keys_a)
 
 
 def _diverged(metrics: Metrics, norm_error: float, stats_a: dict[str, float],
