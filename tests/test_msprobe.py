@@ -222,3 +222,19 @@ def test_not_an_msprobe_or_opforge_dump(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, out = _compare(tmp_path / "empty", FIXTURES / "l0_tensor/clean", capsys)
     assert code == 2 and "not an opforge dump" in out
+
+
+def test_csv_has_msprobe_s_columns_and_one_row_per_entry(tmp_path, capsys):
+    import csv
+
+    path = tmp_path / "compare.csv"
+    code, _ = _compare(FIXTURES / "l0_tensor/clean", FIXTURES / "l0_tensor/perturbed", capsys,
+                       "--csv", str(path))
+    rows = list(csv.DictReader(path.open()))
+    step = msprobe.read_step(FIXTURES / "l0_tensor/clean" / TENSOR_STEP)
+    assert code == 1 and len(rows) == len(step.manifest["entries"])
+    first = next(row for row in rows if row["Result"] == "diverged")
+    assert first["NPU Name"] == "layers.1.fc2.weight#0.forward.parameter.0"
+    assert first["Data_name"] == "Module.layers.1.fc2.Linear.forward.0.parameters.weight.pt"
+    assert float(first["MaxAbsErr"]) == pytest.approx(0.5)
+    assert {"Cosine", "EucDist", "One Thousandth Err Ratio", "Bench l2norm"} <= rows[0].keys()

@@ -364,6 +364,21 @@ def _run_steps(run: Path) -> dict[tuple[int, int], Callable[[], object]]:
             for folder in step_folders(run)}
 
 
+def _write_compare_csv(path: Path, compared: Sequence[tuple[str, object, object, object]]
+                       ) -> None:
+    """Every compared entry of every step as a row of msprobe's comparison columns."""
+    import csv
+
+    from opforge.precision.dump import CSV_COLUMNS, csv_rows
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for name, a, b, results in compared:
+            writer.writerows(csv_rows(name, a, b, results))
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
@@ -391,20 +406,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
         compared, left_out = [], [0, 0]
         for rank, step in places:
             a, b = steps_a[rank, step](), steps_b[rank, step]()
-            compared.append((f"rank{rank}/step{step}", a,
+            compared.append((f"rank{rank}/step{step}", a, b,
                              compare_steps(a, b, tolerance, intersection=args.intersection)))
             left_out = [total + count for total, count in zip(left_out, unmatched(a, b),
                                                               strict=True)]
     except DumpError as error:
         return _error(str(error))
+    if args.csv:
+        try:
+            _write_compare_csv(Path(args.csv), compared)
+        except OSError as error:
+            return _error(f"--csv {args.csv}: {error.strerror or error}")
+        console.print(f"csv: {_shown(args.csv)}")
     if args.intersection:
         console.print(f"--intersection: compared the entries both runs hold; left out "
                       f"{left_out[0]} of the reference only and {left_out[1]} of the other "
                       "run only")
-    diverged = [item for item in compared if first_divergence(item[2]) is not None]
+    diverged = [item for item in compared if first_divergence(item[3]) is not None]
     # The earliest step that diverged on any rank, not rank 0's first (places are sorted
     # by step, then rank).
-    name, step_a, results = diverged[0] if diverged else compared[0]
+    name, step_a, _, results = diverged[0] if diverged else compared[0]
     first, growth = first_divergence(results), growth_point(results)
     table = Table(title=f"opforge compare {_shown(run_a)} (reference) vs {_shown(run_b)}: "
                         f"{name}")
@@ -852,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--intersection", action="store_true",
                          help="compare only the steps and entries both runs hold (and say "
                               "how many were left out) instead of refusing runs that differ")
+    compare.add_argument("--csv", default=None,
+                         help="also write every compared entry to this CSV, in msprobe's "
+                              "comparison columns")
     compare.add_argument("--dtype", default=None, choices=["float16", "bfloat16"],
                          help="judge every entry with at least this dtype's tolerance (the "
                               "compute dtype of an autocast run)")

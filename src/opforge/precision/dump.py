@@ -476,6 +476,7 @@ class EntryComparison:
     five_thousandths_ratio: float
     diverged: bool
     norm_error: float = 0.0
+    euclidean: float = 0.0
 
 
 def _lower_precision(*dtypes: str | torch.dtype | None) -> torch.dtype:
@@ -554,8 +555,38 @@ def compare_steps(a: StepDump, b: StepDump, tolerance: torch.dtype | None = None
             entry_a["key"], entry_a["module"], entry_a["phase"], entry_a["io"],
             str(dtype).removeprefix("torch."), metrics.cosine, metrics.max_abs,
             metrics.max_rel, metrics.thousandth_ratio, metrics.five_thousandths_ratio,
-            diverged, norm_error))
+            diverged, norm_error, metrics.euclidean))
     return results
+
+
+# msprobe's comparison columns ("NPU": the run checked, "Bench": the reference), then the
+# step: a CSV that msprobe users' tools read.
+CSV_COLUMNS = ("NPU Name", "Bench Name", "NPU Dtype", "Bench Dtype", "NPU Tensor Shape",
+               "Bench Tensor Shape", "Cosine", "EucDist", "MaxAbsErr", "MaxRelativeErr",
+               "One Thousandth Err Ratio", "Five Thousandths Err Ratio", "NPU max", "NPU min",
+               "NPU mean", "NPU l2norm", "Bench max", "Bench min", "Bench mean",
+               "Bench l2norm", "Result", "Err_message", "Data_name", "Step")
+
+
+def csv_rows(step: str, a: StepDump, b: StepDump, results: Sequence[EntryComparison]
+             ) -> Iterator[list[object]]:
+    """One row of `CSV_COLUMNS` per compared entry of one step (``a`` the reference)."""
+    by_key_a = {e["key"]: e for e in a.manifest["entries"]}
+    by_key_b = {e["key"]: e for e in b.manifest["entries"]}
+    for result in results:
+        entry_a, entry_b = by_key_a[result.key], by_key_b[result.key]
+        stats_a, stats_b = entry_a["stats"], entry_b["stats"]
+        special = stats_a["nan"] + stats_a["inf"] != stats_b["nan"] + stats_b["inf"]
+        message = ("NaN/Inf differ" if special else
+                   f"cosine {result.cosine:.6g}, norm error {result.norm_error:.3g}"
+                   if result.diverged else "")
+        yield [result.key, result.key, entry_b["dtype"], entry_a["dtype"], entry_b["shape"],
+               entry_a["shape"], result.cosine, result.euclidean, result.max_abs,
+               result.max_rel, result.thousandth_ratio, result.five_thousandths_ratio,
+               stats_b["max"], stats_b["min"], stats_b["mean"], stats_b["norm"],
+               stats_a["max"], stats_a["min"], stats_a["mean"], stats_a["norm"],
+               "diverged" if result.diverged else "pass", message,
+               entry_b.get("data_name") or "", step]
 
 
 def unmatched(a: StepDump, b: StepDump) -> tuple[int, int]:
