@@ -63,9 +63,17 @@ def test_planted_nan_is_found_at_its_origin(tmp_path):
     # The NaN appears in the output of module "2" (the poison) at step 3, not downstream.
     assert (first.module, first.phase, first.io, first.step) == ("2", "forward", "output", 3)
     assert all(a.step == 3 for a in nans) and seen == mon.alerts
-    logged = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    def strict_constant(name: str) -> None:
+        raise AssertionError(f"bare {name} in the log: not strict JSON")
+
+    logged = [json.loads(line, parse_constant=strict_constant)
+              for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert logged[0]["module"] == "2" and logged[0]["rank"] is None
     assert "| nan | 3 |" in mon.summary()
+    # Non-finite statistics are written as strings that float() reads back.
+    for record, alert in zip(logged, mon.alerts, strict=True):
+        value = float(record["value"])
+        assert value == alert.value or (math.isnan(value) and math.isnan(alert.value))
 
 
 def test_planted_fp16_overflow():

@@ -51,6 +51,14 @@ FAST_STATS = 2
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def _strict(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its non-finite floats as strings, for strict JSON."""
+    def name(value: float) -> str:
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return {key: name(value) if isinstance(value, float) and not math.isfinite(value)
+            else value for key, value in record.items()}
+
+
 @dataclass(frozen=True)
 class Alert:
     """One anomaly, at the module where it first appeared in a step.
@@ -63,7 +71,9 @@ class Alert:
         io: ``input`` or ``output`` (for backward: the gradient of that tensor).
         step: completed `Monitor.step` calls before the anomaly, from 0.
         rank: the torch.distributed rank, or ``None`` outside a process group.
-        value: the statistic that fired (a count, a norm, a scale).
+        value: the statistic that fired (a count, a norm, a scale). In the JSONL log a
+            non-finite value is the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
+            (strict JSON has no such numbers; Python's ``float()`` reads the strings).
         detail: one line for people.
     """
 
@@ -441,7 +451,7 @@ class Monitor(Pausable):
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as log:
-                log.write(json.dumps(asdict(alert)) + "\n")
+                log.write(json.dumps(_strict(asdict(alert)), allow_nan=False) + "\n")
         for callback in self.callbacks:
             try:
                 callback(alert)
