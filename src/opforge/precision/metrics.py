@@ -25,7 +25,8 @@
 - ``worst``: the elements with the largest relative error, with their indices.
 
 The small-value thresholds (below which errors are judged as absolute errors) and the
-tolerances are those of the Ascend precision standard (msprobe): see `SMALL_VALUES`.
+tolerances come from two tables of the Ascend precision standard (msprobe): see
+`SMALL_VALUES` and `docs/precision.md`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch
 
 from opforge.core.errors import DtypeError
 
-# (small value, absolute tolerance below it): msprobe's absolute-threshold table.
+# (small value, absolute tolerance below it): msprobe's standard_config.py `_small_value`
+# with api_precision_threshold.yaml's `small_value_atol` (why: docs/precision.md).
 SMALL_VALUES = {torch.float32: (2.0**-20, 1e-9), torch.float16: (2.0**-10, 1e-5),
                 torch.bfloat16: (2.0**-10, 1e-5), torch.float64: (2.0**-40, 1e-15)}
 MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
