@@ -459,3 +459,60 @@ def test_a_model_split_over_devices_is_analysed():
             mon.step()
     nans = [a for a in mon.alerts if a.kind == "nan"]
     assert nans and (nans[0].module, nans[0].step) == ("first", 1), mon.summary()
+
+
+def _adam_run(steps: int, optimizer_hook=None) -> tuple[Monitor, torch.nn.Module]:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(3)
+    with Monitor(model, optimizer=optimizer) as mon:
+        for step in range(steps):
+            if optimizer_hook is not None:
+                optimizer_hook(step, model, optimizer)
+            model(torch.randn(4, 8, generator=generator)).sum().backward()
+            optimizer.step()
+            mon.step()
+            optimizer.zero_grad()
+    return mon, model
+
+
+def test_optimizer_statistics_are_each_parameter_s_update_ratio_and_state_norms():
+    """After an Adam step: every parameter's |dw| / |w| and the norms of its moments, the
+    ratio what a copy taken before the step gives."""
+    before = {}
+
+    def keep(step, model, optimizer):
+        before.update({name: p.detach().clone() for name, p in model.named_parameters()})
+
+    mon, model = _adam_run(3, keep)
+    names = {name for name, _ in model.named_parameters()}
+    assert set(mon.optimizer_stats) == names and mon.alerts == []
+    for name, parameter in model.named_parameters():
+        stats = mon.optimizer_stats[name]
+        assert {"update_ratio", "exp_avg_norm", "exp_avg_sq_norm"} <= stats.keys()
+        expected = (parameter.detach() - before[name]).norm() / before[name].norm()
+        assert stats["update_ratio"] == pytest.approx(float(expected), rel=1e-5)
+        assert 0 < stats["update_ratio"] < 1
+
+
+def test_a_nan_in_the_optimizer_state_is_named():
+    def poison(step, model, optimizer):
+        if step == 2:
+            optimizer.state[model[0].weight]["exp_avg"][0, 0] = float("nan")
+
+    mon, _ = _adam_run(4, poison)
+    alert = next(a for a in mon.alerts if a.kind == "optimizer_state")
+    assert (alert.module, alert.io, alert.step) == ("0.weight", "exp_avg_norm", 2)
+
+
+def test_an_update_spike_after_the_warmup_is_found():
+    """The learning rate raised 10^4-fold at step 6: an update alert that step, none
+    before (the first steps of Adam are the warm-up's)."""
+    def raise_lr(step, model, optimizer):
+        if step == 6:
+            for group in optimizer.param_groups:
+                group["lr"] *= 1e4
+
+    mon, _ = _adam_run(7, raise_lr)
+    updates = [a for a in mon.alerts if a.kind == "update"]
+    assert updates and all(a.step == 6 for a in updates), mon.summary()

@@ -21,7 +21,12 @@ Alert kinds: ``nan``, ``inf`` (float32/64 tensors), ``overflow`` (Inf in a float
 tensor, or values within a factor 2 of its largest finite value), ``spike`` (a tensor's norm
 over (1 + spike_threshold) x its running mean), ``grad_norm`` (the parameters' total
 gradient norm over (1 + spike_threshold) x its running mean, or over ``grad_norm_limit``),
-``loss_scale`` (the loss scale passed to `Monitor.step` fell below ``min_loss_scale``).
+``loss_scale`` (the loss scale passed to `Monitor.step` fell below ``min_loss_scale``),
+and with an ``optimizer``: ``update`` (a parameter's update-to-weight ratio ``|dw| / |w|``
+over (1 + spike_threshold) x its running mean, or not finite) and ``optimizer_state`` (NaN
+or Inf in a parameter's optimizer state: Adam's moments, a momentum buffer). The
+optimizer's step hooks measure them (a copy of each parameter is held across the step for
+``dw``); `Monitor.optimizer_stats` keeps the last step's figures per parameter.
 Each goes to the callbacks, the JSONL log and `Monitor.alerts`; under torch.distributed it
 carries the rank. Hooks never change a value and never raise into the training loop.
 """
@@ -64,7 +69,8 @@ class Alert:
     """One anomaly, at the module where it first appeared in a step.
 
     Attributes:
-        kind: ``nan``, ``inf``, ``overflow``, ``spike``, ``grad_norm`` or ``loss_scale``.
+        kind: ``nan``, ``inf``, ``overflow``, ``spike``, ``grad_norm``, ``loss_scale``,
+            ``update`` or ``optimizer_state``.
         module: dotted module path (``""`` for the root model; ``"<parameters>"`` and
             ``"<loss_scale>"`` for the step-level rules).
         phase: ``forward`` or ``backward`` (``step`` for step-level rules).
@@ -220,14 +226,24 @@ class Monitor(Pausable):
             near-overflow/underflow shares of every tensor (several extra passes per
             tensor; without it a NaN, Inf or overflow is still detected, from max |x|);
             the largest shares and where they occurred are kept in `peaks`.
+        optimizer: also watch this optimizer's steps: each parameter's update-to-weight
+            ratio and the norms of its state tensors (call `step` after
+            ``optimizer.step()``).
     """
 
     def __init__(self, model: torch.nn.Module, *, modules: Sequence[str] | None = None,
                  spike_threshold: float = 9.0, warmup: int = 3, momentum: float = 0.9,
                  grad_norm_limit: float | None = None, min_loss_scale: float = 1.0,
                  callbacks: Iterable[Callable[[Alert], None]] = (),
-                 log_path: str | Path | None = None, detailed: bool = False) -> None:
+                 log_path: str | Path | None = None, detailed: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
+        self.optimizer = optimizer
+        self.optimizer_stats: dict[str, dict[str, float]] = {}
+        # (parameter name, statistic name, device scalar) of the optimizer step, and the
+        # parameters' values before it.
+        self._optimizer_records: list[tuple[str, str, torch.Tensor]] = []
+        self._before: dict[int, torch.Tensor] = {}
         self.modules = tuple(modules) if modules else None
         self.spike_threshold = spike_threshold
         self.warmup = warmup
@@ -258,8 +274,41 @@ class Monitor(Pausable):
 
     def __enter__(self) -> Monitor:
         self._handles = hook_modules(self.model, self.modules, self._forward_hook)
+        if self.optimizer is not None:
+            self._handles += [self.optimizer.register_step_pre_hook(self._before_update),
+                              self.optimizer.register_step_post_hook(self._after_update)]
         self._active = True
         return self
+
+    def _watched_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None and id(parameter) in names:
+                    yield names[id(parameter)], parameter
+
+    def _before_update(self, optimizer: object, args: object, kwargs: object) -> None:
+        def body() -> None:
+            self._before = {id(p): p.detach().clone() for _, p in self._watched_parameters()}
+        self._guarded(body)
+
+    def _after_update(self, optimizer: object, args: object, kwargs: object) -> None:
+        def body() -> None:
+            for name, parameter in self._watched_parameters():
+                before = self._before.pop(id(parameter), None)
+                weight = parameter.detach()
+                if before is not None:
+                    ratio = torch.linalg.vector_norm((weight - before).float()) / \
+                        torch.linalg.vector_norm(before.float()).clamp_min(1e-30)
+                    self._optimizer_records.append((name, "update_ratio", ratio))
+                for state_name, value in self.optimizer.state.get(parameter, {}).items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                            and value.shape == parameter.shape:
+                        self._optimizer_records.append(
+                            (name, f"{state_name}_norm", torch.linalg.vector_norm(
+                                value.detach(), dtype=torch.float32)))
+            self._before.clear()
+        self._guarded(body)
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -354,27 +403,35 @@ class Monitor(Pausable):
 
     def _analyze(self, loss_scale: float | None = None) -> None:
         records, self._records = self._records, []
+        optimizer_records, self._optimizer_records = self._optimizer_records, []
         self._recorded.clear()
         self._calls.clear()
         grad_norm = self._grad_norm()
         rows: list[list[float]] = []
         norm_value: float | None = None
-        if records or grad_norm is not None:
+        optimizer_values: list[float] = []
+        if records or grad_norm is not None or optimizer_records:
             # A model split over devices has statistics on each: gather them on one.
             stats = [s for r in records for s in r.stats]
+            stats += [value for _, _, value in optimizer_records]
             if grad_norm is not None:
                 stats.append(grad_norm)
             device = stats[0].device
-            # The step's only host synchronisation: every record and the gradient norm.
-            flat = torch.stack([s.to(device) for s in stats]).cpu().tolist()
+            # The step's only host synchronisation: every record, the optimizer's figures
+            # and the gradient norm.
+            flat = torch.stack([s.to(device, torch.float64) for s in stats]).cpu().tolist()
             width = len(STATS) if self.detailed else FAST_STATS
             rows = [flat[i * width:(i + 1) * width] for i in range(len(records))]
             for row, record in zip(rows, records):
                 row[0] = _norm(row[0])
                 if record.stats[1] is record.stats[0]:
                     row[1] = row[0]
+            start = len(records) * width
+            optimizer_values = flat[start:start + len(optimizer_records)]
             norm_value = flat[-1] if grad_norm is not None else None
         self._anomalies(records, rows)
+        if optimizer_records:
+            self._optimizer_rules(optimizer_records, optimizer_values)
         if norm_value is not None:
             self._grad_norm_rule(norm_value)
         if loss_scale is not None and loss_scale < self.min_loss_scale:
@@ -420,6 +477,38 @@ class Monitor(Pausable):
             self._emit(Alert("spike", record.module, record.phase, record.io, self.steps,
                              self.rank, norm, f"norm {norm:.4g} is over "
                              f"{1 + self.spike_threshold:g}x its running mean {mean:.4g}"))
+
+    def _optimizer_rules(self, records: list[tuple[str, str, torch.Tensor]],
+                         values: list[float]) -> None:
+        """The step's figures into `optimizer_stats`; the first non-finite state and the
+        first update ratio that spikes (after the warm-up) or is not finite, alerted."""
+        self.optimizer_stats = {}
+        state_alert = update_alert = None
+        for (name, statistic, _), value in zip(records, values, strict=True):
+            self.optimizer_stats.setdefault(name, {})[statistic] = value
+            if statistic != "update_ratio":
+                if state_alert is None and not math.isfinite(value):
+                    state_alert = Alert("optimizer_state", name, "step", statistic,
+                                        self.steps, self.rank, value,
+                                        f"{statistic.removesuffix('_norm')} of {name} holds "
+                                        f"{'NaN' if math.isnan(value) else 'Inf'}")
+                continue
+            key = (name, 0, "step", "update", 0)
+            mean = self._means.get(key)
+            if update_alert is None and (not math.isfinite(value) or (
+                    mean is not None and self._seen.get(key, 0) >= self.warmup
+                    and value > (1 + self.spike_threshold) * mean)):
+                update_alert = Alert("update", name, "step", "update", self.steps, self.rank,
+                                     value, f"update-to-weight ratio {value:.4g} of {name} ("
+                                     + (f"running mean {mean:.4g})" if mean is not None
+                                        else "no history yet)"))
+            if math.isfinite(value):
+                self._means[key] = value if mean is None else (
+                    self.momentum * mean + (1 - self.momentum) * value)
+                self._seen[key] = self._seen.get(key, 0) + 1
+        for alert in (state_alert, update_alert):
+            if alert is not None:
+                self._emit(alert)
 
     def _track_peaks(self, record: _Record, row: list[float], stat: dict[str, int]) -> None:
         for name in ("near_overflow", "near_underflow"):
