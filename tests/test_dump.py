@@ -585,3 +585,75 @@ def test_names_with_markup_and_unsupported_plot_formats(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--plot",
                  str(tmp_path / "out.xyz")]) == 2
     assert capsys.readouterr().out.splitlines()[-1].startswith("error: --plot")
+
+
+class _Gated(torch.nn.Module):
+    """A module calling torch functions three ways: a functional (inside its Linear), a
+    name imported from torch, and a tensor method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch import relu  # the way that defeats patching torch.relu
+
+        return relu(self.proj(x)).mul(x)
+
+
+def _gated_step(path: Path, **options) -> tuple[dict, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Gated())
+    x = torch.randn(3, 6, requires_grad=True)
+    with dump(model, path, mode="tensor", **options) as dumper:
+        model(x).square().sum().backward()
+        dumper.step()
+    step = read_step(step_folders(path)[0])
+    return {e["key"]: e for e in step.manifest["entries"]}, step, model
+
+
+def test_api_entries_catch_every_torch_call_inside_the_modules(tmp_path):
+    entries, step, _ = _gated_step(tmp_path / "a", apis=True)
+    apis = [key for key in entries if not key.startswith(("0#", "#", "0.proj"))]
+    assert {key.split("#")[0] for key in apis} == {"Functional.linear", "Torch.relu",
+                                                   "Tensor.mul"}
+    linear = entries["Functional.linear#0.forward.input.1"]
+    assert linear["scope"] == "0.proj" and linear["shape"] == [6, 6]
+    assert entries["Torch.relu#0.forward.input.0"]["scope"] == "0"
+    assert torch.equal(step.tensors["Torch.relu#0.forward.output.0"],
+                       step.tensors["Tensor.mul#0.forward.input.0"])
+    # The loss outside the model, and the dump's own statistics, are not API entries.
+    assert not any(key.startswith(("Tensor.square", "Tensor.sum", "Tensor.amin"))
+                   for key in entries)
+
+
+def test_api_names_filter_and_data_mode_select(tmp_path):
+    entries, _, _ = _gated_step(tmp_path / "a", apis=["Torch.relu"], data_mode=["forward"])
+    assert {key.split("#")[0] for key in entries} == {"Torch.relu", "0", "0.proj", ""}
+    assert all(entry["phase"] == "forward" for entry in entries.values())
+    entries, _, _ = _gated_step(tmp_path / "b", data_mode=["output"], parameters=True,
+                                output_grads=True)
+    assert {entry["io"] for entry in entries.values()} == {"output"}
+    with pytest.raises(ValueError, match="data mode"):
+        dump(torch.nn.Linear(2, 2), tmp_path / "c", data_mode=["inputs"])
+
+
+def test_parameters_their_gradients_and_output_gradients(tmp_path):
+    entries, step, model = _gated_step(tmp_path / "a", parameters=True, output_grads=True)
+    weight = model[0].proj.weight
+    assert torch.equal(step.tensors["0.proj.weight#0.forward.parameter.0"], weight.detach())
+    assert torch.equal(step.tensors["0.proj.weight#0.backward.parameter.0"], weight.grad)
+    # The gradient reaching the model's output: d(sum y^2)/dy = 2y.
+    output = step.tensors["0#0.forward.output.0"]
+    torch.testing.assert_close(step.tensors["0#0.backward.output.0"], 2 * output)
+    assert entries["0.proj.bias#0.forward.parameter.0"]["io"] == "parameter"
+
+
+def test_stacks_name_the_caller_without_machine_paths_unless_asked(tmp_path):
+    entries, _, _ = _gated_step(tmp_path / "a", stacks=True)
+    stack = entries["0#0.forward.input.0"]["stack"]
+    assert any(frame.startswith("test_dump.py:") for frame in stack), stack
+    assert not any("/" in frame.split(":")[0] for frame in stack)
+    entries, _, _ = _gated_step(tmp_path / "b", stacks=True, absolute_paths=True)
+    assert any(frame.startswith(str(Path(__file__).resolve().parent))
+               for frame in entries["0#0.forward.input.0"]["stack"])

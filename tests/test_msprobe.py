@@ -19,7 +19,7 @@ import torch
 
 from opforge.cli import main
 from opforge.precision import msprobe
-from opforge.precision.dump import DumpError, dump
+from opforge.precision.dump import DumpError, dump, read_step, step_folders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "msprobe"
 TENSOR_STEP = Path("step0/proc0")
@@ -238,3 +238,28 @@ def test_csv_has_msprobe_s_columns_and_one_row_per_entry(tmp_path, capsys):
     assert first["Data_name"] == "Module.layers.1.fc2.Linear.forward.0.parameters.weight.pt"
     assert float(first["MaxAbsErr"]) == pytest.approx(0.5)
     assert {"Cosine", "EucDist", "One Thousandth Err Ratio", "Bench l2norm"} <= rows[0].keys()
+
+
+def test_an_opforge_api_dump_against_msprobe_s_mix_dump(tmp_path, capsys):
+    """opforge's dump with parameters, output gradients and APIs holds what msprobe's mix
+    level does under the same keys (the functionals' and torch functions' counters, the
+    parameters and their gradients): more than a hundred entries compared, the planted
+    weight named as the linear's input 1 in layers.1.fc2."""
+    for variant, perturbed in (("clean", False), ("perturbed", True)):
+        model, batch = _fixture_model(perturbed)
+        with dump(model, tmp_path / variant, parameters=True, output_grads=True,
+                  apis=True) as dumper:
+            model(batch()).square().sum().backward()
+            dumper.step()
+    reference = msprobe.read_step(FIXTURES / "mix_statistics/clean" / TENSOR_STEP)
+    ours = read_step(step_folders(tmp_path / "clean")[0])
+    shared = {e["key"] for e in ours.manifest["entries"]} & \
+        {e["key"] for e in reference.manifest["entries"]}
+    assert len(shared) > 100
+    code, out = _compare(tmp_path / "clean", FIXTURES / "mix_statistics/clean", capsys,
+                         "--intersection")
+    assert code == 0, out
+    code, out = _compare(FIXTURES / "mix_statistics/clean", tmp_path / "perturbed", capsys,
+                         "--intersection")
+    assert code == 1
+    assert "first divergent module Functional.linear (in layers.1.fc2)" in out, out

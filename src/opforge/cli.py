@@ -454,8 +454,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         console.print(f"no divergence in {len(compared)} step(s): the runs agree within the "
                       "standard of their lower-precision dtype")
         return 0
+    # The module an API call ran in: the dump's own record (opforge), or construct.json's.
     call, phase = results[first].key.split("#")[1].split(".")[:2]
-    scope = msprobe.api_scopes(step_a.folder).get(f"{results[first].module}.{call}.{phase}")
+    scope = next((e.get("scope") for e in step_a.manifest["entries"]
+                  if e["key"] == results[first].key), None) or msprobe.api_scopes(
+        step_a.folder).get(f"{results[first].module}.{call}.{phase}")
     console.print(f"[red]diverged[/] at {name}: first divergent module "
                   f"{_shown(results[first].module or '<model>')}"
                   f"{f' (in {_shown(scope)})' if scope else ''} "

@@ -18,6 +18,12 @@ crash or a truncated copy never reads as a valid step.
 An entry is one tensor: a module's forward input or output, or the gradient its backward
 produces for an input (recorded by tensor hooks, as in `Monitor`). Its key,
 ``<module>#<call>.<phase>.<io>.<index>``, matches entries of two runs of the same model.
+Asked for, a dump also records the modules' parameters (``<module>.<name>#<call>.forward.
+parameter.0``) and, at `Dump.step`, their gradients (``...#0.backward.parameter.0``), the
+gradients of module outputs (``backward.output``), every torch function called inside the
+dumped modules (``apis``: ``Functional.linear#3.forward.input.1``, counted per function
+and step, caught by a torch function mode, so ``from torch import relu`` is caught too),
+only some of it (``data_mode``, ``apis`` names) and the call stack of each forward entry.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from opforge.precision.metrics import Metrics, compare_tensors
 from opforge.precision.monitor import Pausable, _rank, _tensors, hook_modules
@@ -88,6 +96,43 @@ def _step_statistics(row: Sequence[float]) -> dict[str, float]:
             "nan": int(has_nan), "inf": int(has_inf)}
 
 
+DATA_MODES = ("all", "forward", "backward", "input", "output")
+
+
+def api_name(func: Callable[..., Any]) -> str | None:
+    """msprobe-style name of a torch function: ``Functional.linear``, ``Torch.relu``,
+    ``Tensor.add``; None for what is not an API call (attribute getters)."""
+    name = getattr(func, "__name__", None)
+    qualname = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", "") or ""
+    if name is None or name in ("__get__", "__set__"):
+        return None
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    if module in ("torch._C._nn", "torch.nn.functional"):
+        return f"Functional.{name}"
+    if module == "torch" or module.startswith("torch.") or qualname.startswith(
+            "_VariableFunctionsClass."):
+        return f"Torch.{name}"
+    return None
+
+
+class _ApiCalls(TorchFunctionMode):
+    """Hands every torch function call to `Dump._api_call` (the mode is off while its
+    handler runs, so the dump's own arithmetic is not recorded)."""
+
+    def __init__(self, dump: Dump) -> None:
+        super().__init__()
+        self.dump = dump
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.dump._api_call(func, args, kwargs, result)
+        return result
+
+
 class Dump(Pausable):
     """Context manager that records a model's tensors step by step (see the module
     docstring). Use `dump` to create one.
@@ -101,17 +146,46 @@ class Dump(Pausable):
         grad_scale: the loss scale of a loss-scaled run (e.g. ``scaler.get_scale``), read
             once per step: gradients are recorded divided by it, in float32, so that they
             compare with an unscaled run's (the manifest keeps their own dtype).
+        parameters: also record each module's own parameters at each call and, at
+            `step` (after the backward, before ``zero_grad``), their gradients.
+        output_grads: also record the gradient reaching each module output (and each API
+            output).
+        apis: also record every torch function called inside the dumped modules: True for
+            all, or names (``"Functional.linear"``, ``"Torch.matmul"``, ``"Tensor.add"``)
+            whose calls to keep.
+        data_mode: msprobe's selection: ``"all"``, or any of ``"forward"``,
+            ``"backward"``, ``"input"``, ``"output"`` (parameters count as inputs).
+        stacks: give each forward entry the call stack that made it (frames outside torch
+            and opforge, ``file:line function``, file names only unless
+            ``absolute_paths``).
 
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode or data mode.
     """
 
     def __init__(self, model: torch.nn.Module, path: str | Path, mode: str = "statistics",
                  steps: Sequence[int] | None = None,
                  modules: Sequence[str] | None = None,
-                 grad_scale: Callable[[], float] | None = None) -> None:
+                 grad_scale: Callable[[], float] | None = None, *, parameters: bool = False,
+                 output_grads: bool = False, apis: bool | Sequence[str] = False,
+                 data_mode: Sequence[str] = ("all",), stacks: bool = False,
+                 absolute_paths: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown dump mode {mode!r}; expected one of {', '.join(MODES)}")
+        unknown = [m for m in data_mode if m not in DATA_MODES]
+        if unknown or not data_mode:
+            raise ValueError(f"unknown data mode {unknown or data_mode!r}; expected some of "
+                             f"{', '.join(DATA_MODES)}")
+        wanted = set(data_mode)
+        everything = "all" in wanted
+        self._phases = {p for p in PHASES if everything or p in wanted} or set(PHASES)
+        self._ios = {i for i in ("input", "output") if everything or i in wanted} or \
+            {"input", "output"}
+        self.parameters = parameters
+        self.output_grads = output_grads
+        self.apis = None if apis is True else set(apis) if apis else set()
+        self.stacks = stacks
+        self.absolute_paths = absolute_paths
         self.model = model
         self.mode = mode
         self.steps = set(steps) if steps is not None else None
@@ -128,18 +202,62 @@ class Dump(Pausable):
         self._failed_step: int | None = None
         self.grad_scale = grad_scale
         self._scale: float | None = None
+        self._watched: list[tuple[str, torch.nn.Module]] = []
+        self._scopes: list[str] = []  # dumped modules' forwards under way, innermost last
+        self._busy = False  # the dump's own work: not API calls of the model
+        self._api_mode: _ApiCalls | None = None
 
     def __enter__(self) -> Dump:
         self._handles = hook_modules(self.model, self.modules, self._hook)
+        self._watched = [(name, module) for name, module in self.model.named_modules()
+                         if self.modules is None or any(p in name for p in self.modules)]
+        if self.apis is None or self.apis:
+            self._handles += [module.register_forward_pre_hook(self._enter_module(name))
+                              for name, module in self._watched]
+            self._api_mode = _ApiCalls(self)
+            self._api_mode.__enter__()
         self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._active = False
+        if self._api_mode is not None:
+            self._api_mode.__exit__(None, None, None)
+            self._api_mode = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._write()
+
+    def _enter_module(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+            self._scopes.append(name)
+        return hook
+
+    def _kept(self, phase: str, io: str) -> bool:
+        return phase in self._phases and ("input" if io == "parameter" else io) in self._ios
+
+    def _stack(self) -> list[str]:
+        frames = [f for f in traceback.extract_stack()[:-3]
+                  if not re.search(r"[/\\](torch|opforge)[/\\]", f.filename)]
+        return [f"{f.filename if self.absolute_paths else Path(f.filename).name}:{f.lineno} "
+                f"{f.name}" for f in frames]
+
+    def _api_call(self, func: Callable[..., Any], args: Any, kwargs: Any,
+                  result: Any) -> None:
+        if not self._scopes or self._busy:
+            return
+        name = api_name(func)
+        outputs = [t for t in _tensors(result) if t.is_floating_point()]
+        if name is None or not outputs or (self.apis is not None and name not in self.apis):
+            return
+
+        def body() -> None:
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._record_call(name, call, [*_tensors(args), *_tensors(kwargs)], outputs,
+                              grads_of_inputs=False, scope=self._scopes[-1])
+        self._guarded(body)
 
     def _wanted(self) -> bool:
         return (self._active and self._failed_step != self.step_index
@@ -168,15 +286,36 @@ class Dump(Pausable):
                     return
                 call = self._calls.get(name, 0)
                 self._calls[name] = call + 1
-                for io, values in (("input", inputs), ("output", output)):
-                    for index, tensor in enumerate(_tensors(values)):
-                        self._add(name, call, "forward", io, index, tensor)
-                        if io == "input" and tensor.requires_grad:
-                            tensor.register_hook(self._grad_hook(name, call, index))
+                if self.parameters and self._kept("forward", "parameter"):
+                    for parameter_name, parameter in module.named_parameters(recurse=False):
+                        self._add(_joined(name, parameter_name), call, "forward",
+                                  "parameter", 0, parameter)
+                self._record_call(name, call, _tensors(inputs), _tensors(output),
+                                  grads_of_inputs=True)
+            if self._api_mode is not None and self._scopes:
+                self._scopes.pop()
             self._guarded(body)
         return hook
 
-    def _grad_hook(self, name: str, call: int, index: int) -> Any:
+    def _record_call(self, name: str, call: int, inputs: Sequence[torch.Tensor],
+                     outputs: Sequence[torch.Tensor], grads_of_inputs: bool,
+                     scope: str | None = None) -> None:
+        """A call's forward inputs and outputs, and hooks for the gradients asked for;
+        an API call's entries name the module it ran in (``scope``)."""
+        extra: dict[str, Any] = {}
+        if self.stacks:
+            extra["stack"] = self._stack()
+        if scope is not None:
+            extra["scope"] = scope
+        for io, values in (("input", inputs), ("output", outputs)):
+            for index, tensor in enumerate(values):
+                if self._kept("forward", io):
+                    self._add(name, call, "forward", io, index, tensor, extra=extra)
+                gradient = grads_of_inputs if io == "input" else self.output_grads
+                if gradient and tensor.requires_grad and self._kept("backward", io):
+                    tensor.register_hook(self._grad_hook(name, call, index, io))
+
+    def _grad_hook(self, name: str, call: int, index: int, io: str = "input") -> Any:
         def hook(grad: torch.Tensor) -> None:
             def body() -> None:
                 dtype = grad.dtype
@@ -185,25 +324,45 @@ class Dump(Pausable):
                     if self._scale is None:
                         self._scale = float(self.grad_scale())
                     value = grad.float() / self._scale
-                self._add(name, call, "backward", "input", index, value, dtype)
+                self._add(name, call, "backward", io, index, value, dtype)
             self._guarded(body)
         return hook
 
     def _add(self, module: str, call: int, phase: str, io: str, index: int,
-             tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+             tensor: torch.Tensor, dtype: torch.dtype | None = None,
+             extra: dict[str, Any] | None = None) -> None:
         if not tensor.is_floating_point():
             return
-        key = f"{module}#{call}.{phase}.{io}.{index}"
-        stats = summary_stats(tensor)
-        self._entries.append({"key": key, "module": module, "call": call, "phase": phase,
-                              "io": io, "index": index, "shape": list(tensor.shape),
-                              "dtype": str(dtype or tensor.dtype).removeprefix("torch.")})
-        self._stats.append(stats)
-        if self.mode == "tensor":
-            self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
+        self._busy = True
+        try:
+            key = f"{module}#{call}.{phase}.{io}.{index}"
+            stats = summary_stats(tensor)
+            entry = {"key": key, "module": module, "call": call, "phase": phase, "io": io,
+                     "index": index, "shape": list(tensor.shape),
+                     "dtype": str(dtype or tensor.dtype).removeprefix("torch.")}
+            self._entries.append({**entry, **(extra or {})})
+            self._stats.append(stats)
+            if self.mode == "tensor":
+                self._tensors[key] = tensor.detach().to("cpu").contiguous().clone()
+        finally:
+            self._busy = False
+
+    def _parameter_gradients(self) -> None:
+        """Each watched module's own parameters' gradients (msprobe's parameters_grad)."""
+        def body() -> None:
+            for name, module in self._watched:
+                for parameter_name, parameter in module.named_parameters(recurse=False):
+                    if parameter.grad is not None:
+                        self._add(_joined(name, parameter_name), 0, "backward", "parameter",
+                                  0, parameter.grad)
+        if self.parameters and self._kept("backward", "parameter"):
+            self._guarded(body)
 
     def step(self) -> None:
-        """Write the current step (if wanted and fully recorded) and start the next one."""
+        """Write the current step (if wanted and fully recorded) and start the next one;
+        with ``parameters``, the parameters' gradients are recorded first (call it after
+        the backward, before ``zero_grad``)."""
+        self._parameter_gradients()
         self._write()
         self.step_index += 1
         self._calls.clear()
@@ -235,9 +394,15 @@ class Dump(Pausable):
 
 def dump(model: torch.nn.Module, path: str | Path, mode: str = "statistics",
          steps: Sequence[int] | None = None, modules: Sequence[str] | None = None,
-         grad_scale: Callable[[], float] | None = None) -> Dump:
-    """A `Dump` of ``model`` into ``path`` (use as a context manager)."""
-    return Dump(model, path, mode, steps, modules, grad_scale)
+         grad_scale: Callable[[], float] | None = None, **options: Any) -> Dump:
+    """A `Dump` of ``model`` into ``path`` (use as a context manager); ``options`` are
+    `Dump`'s keyword-only arguments (``parameters``, ``output_grads``, ``apis``,
+    ``data_mode``, ``stacks``, ``absolute_paths``)."""
+    return Dump(model, path, mode, steps, modules, grad_scale, **options)
+
+
+def _joined(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
 
 
 # ---------------------------------------------------------------------------------------------
