@@ -85,12 +85,14 @@ test-notriton: $(NOTRITON)/.installed
 portability: ascend-check test-triton32 test-notriton
 
 # The msprobe dumps tests/test_msprobe.py reads, written by MindStudio Probe itself in its
-# own environment (committed; not part of CI).
+# own environment (committed; not part of CI). The environment also runs
+# benchmarks/dump_vs_msprobe.py (with PYTHONPATH=src: hence rich and safetensors).
 MSPROBE := .venv-msprobe
 $(MSPROBE)/.installed: constraints-msprobe.txt
 	rm -rf $(MSPROBE) && $(PYTHON) -m venv $(MSPROBE)
 	$(MSPROBE)/bin/python -m pip install --quiet --upgrade pip
-	$(MSPROBE)/bin/python -m pip install --quiet -c constraints-msprobe.txt torch mindstudio-probe
+	$(MSPROBE)/bin/python -m pip install --quiet -c constraints-msprobe.txt torch mindstudio-probe \
+		rich safetensors
 	touch $@
 
 msprobe-fixtures: $(MSPROBE)/.installed
