@@ -90,7 +90,10 @@ def test_demo_report_has_every_section(demo_run):
     assert "12 steps of 4 x 64 characters" in run_text
     assert "no anomalies in 12 steps" in " ".join(page.sections["monitor"])
     profile_text = " ".join(page.sections["profile"])
-    assert "opforge::attention" in profile_text and "latency-bound" in profile_text
+    # The top kernels with their verdicts: matmul takes about 30% of the kernel time; the
+    # smaller operators' ranks move with the machine's load (every one of them is checked
+    # in the profile by test_demo_model_is_made_of_opforge_operators).
+    assert "opforge::matmul" in profile_text and "latency-bound" in profile_text
     certificate = read_certificate(demo.default_certificate())
     assert certificate.totals in " ".join(page.sections["certificate"])
     assert run.sample[:12] in " ".join(page.sections["sample"])

@@ -915,12 +915,10 @@ if triton is not None:
             ptrs = mask_rows[:, None] + cols[None, :] * stride_mn
             ok = row_ok[:, None] & (cols < Sk)[None, :]
         if MASK == 1:
-            bias = tl.where(tl.load(ptrs, mask=ok, other=0) != 0, 0.0, NEG_INF)
+            seen = tl.load(ptrs, mask=ok, other=0) != 0  # boolean mask: compared, not computed
+            bias = tl.where(seen, 0.0, NEG_INF)
         else:
-            bias = tl.load(ptrs, mask=ok, other=0.0)
-            if bias.dtype != tl.float64:
-                bias = widen(bias)
-            bias = bias * LOG2E
+            bias = widen(tl.load(ptrs, mask=ok, other=0.0)) * LOG2E
         return bias
 
     @triton.jit
