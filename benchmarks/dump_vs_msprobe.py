@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,12 +53,23 @@ def run(config: str, steps: int, folder: Path) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(BATCH, WIDTH)
 
-    def train() -> None:
-        model(batch).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    def timed(begin: Callable[[], object], finish: Callable[[], object]) -> list[float]:
+        """Steps with the dump begun before the forward and finished after the backward
+        (written), two warm-up steps left out."""
+        times = []
+        for step in range(steps + 2):
+            start = time.perf_counter()
+            begin()
+            model(batch).square().mean().backward()
+            finish()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step >= 2:
+                times.append(time.perf_counter() - start)
+        return times
 
-    times = []
+    if config == "none":
+        return timed(lambda: None, lambda: None)
     if config.startswith("msprobe"):
         from msprobe.pytorch import PrecisionDebugger
 
@@ -69,39 +81,15 @@ def run(config: str, steps: int, folder: Path) -> list[float]:
                                         "scope": [], "list": [], "data_mode": ["all"],
                                         "summary_mode": "statistics"}}))
         debugger = PrecisionDebugger(config_path=str(path))
-        for step in range(steps + 2):
-            start = time.perf_counter()
-            debugger.start(model=model)
-            model(batch).square().mean().backward()
-            debugger.stop()
-            debugger.step()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-        return times
-    if config == "none":
-        for step in range(steps + 2):
-            start = time.perf_counter()
-            train()
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-        return times
+        return timed(lambda: debugger.start(model=model),
+                     lambda: (debugger.stop(), debugger.step()))
     from opforge.precision.dump import dump
 
     options = {"apis": True, "parameters": True, "output_grads": True} \
         if "API" in config else {}
     mode = "tensor" if "tensor" in config else "statistics"
     with dump(model, folder / "dump", mode=mode, **options) as dumper:
-        for step in range(steps + 2):
-            start = time.perf_counter()
-            model(batch).square().mean().backward()
-            dumper.step()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-    return times
+        return timed(lambda: None, dumper.step)
 
 
 def main() -> int:
