@@ -68,8 +68,10 @@ class PatchReport:
 
     def __str__(self) -> str:
         lines = [f"opforge.patch({self.model_type}):"]
-        lines += [f"  patched {name}: {len(where)} ({', '.join(where[:3])}"
-                  f"{', ...' if len(where) > 3 else ''})" for name, where in self.patched.items()]
+        lines += [f"  patched {name}: " + (where[0] if len(where) == 1 else
+                                          f"{len(where)} ({', '.join(where[:3])}"
+                                          f"{', ...' if len(where) > 3 else ''})")
+                  for name, where in self.patched.items()]
         lines += [f"  left {name}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
 
