@@ -39,6 +39,14 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             **common, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
             **overrides})
+    elif kind == "mistral":  # a sliding window shorter than the batch's sequences
+        config = transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=4,
+                                            **overrides)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common, num_key_value_heads=2, **overrides)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=16,
+                                          **overrides)
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -253,3 +261,21 @@ def test_a_patched_model_trains():
         losses[patched] = history
     assert losses[True][-1] < losses[True][0]
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral"])
+def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
+    """The other supported model types: every component patched (Mistral's sliding
+    window reaches opforge's attention as transformers' boolean mask), float32 logits of a
+    left-padded batch as the unpatched model's within float32 rounding."""
+    model = _tiny(kind)
+    ids, attention_mask = _batch()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).logits
+        report = opforge.patch(model)
+        got = model(ids, attention_mask=attention_mask).logits
+    assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
+    assert ("moe_router" in report.patched) == (kind == "mixtral")
+    assert calls["attention"] == 2 and calls["rope"] == 4
+    valid = attention_mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
