@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from opforge.core.hardware import HardwareProfile
+from opforge.core.opdef import Tiling
 
 # Ascend binds programs to physical cores and rejects grids above UINT16_MAX; GPUs accept
 # more, but a persistent loop over tiles makes the extra programs useless anyway.
@@ -14,6 +15,10 @@ MAX_PROGRAMS = 65535
 PROGRAMS_PER_CORE = 8
 # Largest element offset that int32 index arithmetic in a kernel holds.
 INT32_LIMIT = 2**31 - 1
+# Elements of a "rows" tile (BLOCK_M whole rows), and the largest block a "looped" one
+# streams a row in.
+ROWS_TILE = 4096
+LOOP_BLOCK = 4096
 
 
 def cdiv(a: int, b: int) -> int:
@@ -86,3 +91,23 @@ def wide_offsets(*tensors: Any) -> bool:
         if reach > INT32_LIMIT:
             return True
     return False
+
+
+def rows_then_looped(rows: int, cols: int, per_element: int, hardware: HardwareProfile
+                     ) -> list[Tiling]:
+    """Row-reduction candidates: ``rows`` (``BLOCK_M`` whole rows of ``cols`` in one
+    tile), then ``looped`` (one row streamed in blocks of ``BLOCK_N``) with blocks from
+    `LOOP_BLOCK` (or the hardware's tile limit) down to 16; ``per_element``: on-chip bytes
+    an element takes."""
+    block_n = next_power_of_2(max(cols, 1))
+    block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
+    candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
+                         block_m * block_n * per_element, double_buffered=False,
+                         options={"warps": gpu_warps(block_m * block_n, hardware)})]
+    block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
+    while block >= 16:
+        candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
+                                 block * per_element,
+                                 options={"warps": gpu_warps(block, hardware)}))
+        block //= 2
+    return candidates

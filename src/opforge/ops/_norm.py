@@ -50,9 +50,9 @@ from opforge.core.tiling import (
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
     cdiv,
-    gpu_warps,
     launch_options,
     next_power_of_2,
+    rows_then_looped,
 )
 
 try:
@@ -63,8 +63,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-ROWS_TILE = 4096
-LOOP_BLOCK = 4096
 SUM_BLOCK = 1024
 MIN_SUM_BLOCK = 64
 SUM_TILE = 4096  # partials a program of the sum loads per step
@@ -92,19 +90,7 @@ def tiling(geometry: Geometry, streams: int) -> Callable[..., list[Tiling]]:
     def choose(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
                ) -> list[Tiling]:
         rows, cols = geometry(inputs, attrs)
-        per_element = streams * (inputs[0].itemsize + 4)
-        block_n = next_power_of_2(max(cols, 1))
-        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
-        candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
-                             block_m * block_n * per_element, double_buffered=False,
-                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
-        block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
-        while block >= 16:
-            candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
-                                     block * per_element,
-                                     options={"warps": gpu_warps(block, hardware)}))
-            block //= 2
-        return candidates
+        return rows_then_looped(rows, cols, streams * (inputs[0].itemsize + 4), hardware)
     return choose
 
 

@@ -53,12 +53,15 @@ from opforge.core.opdef import (
 from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import (
     INT32_LIMIT,
+    LOOP_BLOCK,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
+    ROWS_TILE,
     cdiv,
     gpu_warps,
     launch_options,
     next_power_of_2,
+    rows_then_looped,
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
@@ -76,9 +79,6 @@ ATTRS = (Attr("ignore_index", "int", -100, doc="a target of this value loses 0 a
          Attr("reduction", "str", "mean", choices=REDUCTIONS, doc="none: one loss per row"),
          Attr("label_smoothing", "float", 0.0, range=(0.0, 1.0),
               doc="weight of the uniform distribution mixed into the target"))
-# Elements of a rows-variant tile of short rows, and of a looped block.
-ROWS_TILE = 4096
-LOOP_BLOCK = 4096
 SUM_BLOCK = 1024
 
 
@@ -167,30 +167,19 @@ def _tiling(backward: bool) -> object:
         rows, classes = _geometry(inputs)
         itemsize = inputs[1 if backward else 0].itemsize
         per_element = (2 if backward else 1) * itemsize + 4
-        block_n = next_power_of_2(max(classes, 1))
+        if not backward:
+            return rows_then_looped(rows, classes, per_element, hardware)
         candidates = []
-        if backward:
-            block = min(block_n, LOOP_BLOCK, hardware.max_tile_elements)
-            while True:
-                block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block))
-                candidates.append(Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block},
-                                         block_m * block * per_element,
-                                         options={"warps": gpu_warps(block_m * block,
-                                                                     hardware)}))
-                if block <= 16:
-                    return candidates
-                block //= 2
-        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
-        candidates.append(Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
-                                 block_m * block_n * per_element, double_buffered=False,
-                                 options={"warps": gpu_warps(block_m * block_n, hardware)}))
-        block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
-        while block >= 16:
-            candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
-                                     block * per_element,
-                                     options={"warps": gpu_warps(block, hardware)}))
+        block = min(next_power_of_2(max(classes, 1)), LOOP_BLOCK, hardware.max_tile_elements)
+        while True:
+            block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block))
+            candidates.append(Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block},
+                                     block_m * block * per_element,
+                                     options={"warps": gpu_warps(block_m * block,
+                                                                 hardware)}))
+            if block <= 16:
+                return candidates
             block //= 2
-        return candidates
     return tiling
 
 
