@@ -107,7 +107,7 @@ def curated(device: torch.device) -> dict[str, Case]:
         "sigmoid": Case("8x256", (x,), {}),
         "broadcast_add": Case("8x256+256", (x, bias), {}),
         "matmul": Case("16x64@64x64", (randn(16, 64), randn(64, 64)), {}),
-        "attention": Case("b1h2s16d32", (q, k, v), {"causal": True}),
+        "attention": Case("b1h2s16d32", (q, k, v, None), {"causal": True}),
         "mla_prolog": Case("t16", mla_inputs(16, torch.float32, device, generator), {}),
         "moe_gating_top_k": Case("t1e256", (randn(1, 256), None),
                                  {"k": 8, "k_group": 4, "group_count": 8,
