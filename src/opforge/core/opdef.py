@@ -399,9 +399,8 @@ class OpDef:
             by `Plan.run` before anything is launched, on every backend, also when the
             outputs are empty; raises `OpError` subclasses.
         held_launches: a plan records the kernel launches its launcher makes per layout
-            and replays them (`opforge.core.launches`); ``False`` for an operator whose
-            launcher already caches its own arguments per layout (the elementwise one,
-            whose 2.1 µs is less than a replay's 3.0).
+            and replays them (`opforge.core.launches`); ``False`` for a launcher whose
+            launches a replay cannot hold (arguments it makes per call).
         inplace_out: each program reads the input elements it writes over before it writes
             them, so ``Plan.run(out=)`` may hand the launchers an ``out`` that is an input
             itself (the same elements, ``out=x``: elementwise and row operators); any

@@ -164,7 +164,7 @@ class Plan:
         self._steps: dict[str, Plan] = {}  # a composite operator's steps, see run_step
         # What `run_planned` does per call, decided once: the launch function, the
         # outputs' allocation arguments, and whether nothing else runs around them.
-        self._direct = not self._mutated and op.check_values is None
+        self._direct = not self._mutated
         if backend == "torch" and "torch" not in op.launchers:
             self._launcher = run_reference
         else:
@@ -199,13 +199,16 @@ class Plan:
             found = self._steps[name] = plan(op, *tensors, **attrs)
         return found._observed(tensors, out, None)
 
-    def _check_inputs(self, tensors: Sequence[Any]) -> list[torch.Tensor | None]:
-        if len(tensors) > len(self.inputs):
-            raise OpError("run was given more tensors than the plan has inputs",
-                          op=self.op.name, param="inputs", expected=len(self.inputs),
-                          got=len(tensors))
-        bound = [*tensors, *[None] * (len(self.inputs) - len(tensors))]
-        for index, (spec, tensor) in enumerate(zip(self.inputs, bound)):
+    def _check_inputs(self, tensors: Sequence[Any]) -> Sequence[torch.Tensor | None]:
+        specs = self.inputs
+        if len(tensors) != len(specs):
+            if len(tensors) > len(specs):
+                raise OpError("run was given more tensors than the plan has inputs",
+                              op=self.op.name, param="inputs", expected=len(specs),
+                              got=len(tensors))
+            tensors = [*tensors, *[None] * (len(specs) - len(tensors))]
+        for index, spec in enumerate(specs):
+            tensor = tensors[index]
             if spec is None or tensor is None:
                 if spec is not tensor:
                     raise ShapeError("presence differs from the plan's", op=self.op.name,
@@ -214,7 +217,7 @@ class Plan:
                                      got="None" if tensor is None else TensorSpec.of(tensor))
             else:
                 _check_against(tensor, spec, self.op.name, self.op.inputs[index].name)
-        return bound
+        return tensors
 
     def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None,
                  inputs: Sequence[torch.Tensor | None]
@@ -228,22 +231,29 @@ class Plan:
             return fresh, fresh
         given = [out] if isinstance(out, torch.Tensor) else (
             list(out) if isinstance(out, (list, tuple)) else [out])
-        for tensor in given:
-            if not isinstance(tensor, torch.Tensor):
-                raise OpError("out must be a tensor or a sequence of tensors",
-                              op=self.op.name, param="out", expected="torch.Tensor",
-                              got=", ".join(type(t).__name__ for t in given))
         if len(given) != len(self.outputs):
+            if not all(isinstance(tensor, torch.Tensor) for tensor in given):
+                raise self._not_a_tensor(given)
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
         # Kernels write contiguous outputs, or any layout whose elements are distinct where
         # the operator says its launchers honour strides; else a strided `out` is filled
         # through a copy. An out overlapping an input goes through a fresh buffer too.
-        spans = [_span(t) for t in inputs if t is not None and t.numel()]
+        # The common call (contiguous outs of their own memory) costs a dozen attribute
+        # reads per tensor: this runs on every `run(out=)`, beside a launch of a few µs.
+        spans: list[tuple[int, int]] | None = None  # the inputs'
+        out_spans: list[tuple[int, int]] = []
         names = self.op.outputs
         targets = []
-        for index, (tensor, spec) in enumerate(zip(given, self.outputs)):
+        for index, tensor in enumerate(given):
+            spec = self.outputs[index]
+            if not isinstance(tensor, torch.Tensor):
+                raise self._not_a_tensor(given)
             _check_against(tensor, spec, self.op.name, names[index].name)
+            if not tensor.numel():
+                out_spans.append((0, 0))
+                targets.append(tensor)
+                continue
             contiguous = tensor.is_contiguous()  # distinct elements by construction
             distinct = contiguous or _distinct_elements(tensor)
             if not distinct and _repeated_offsets(tensor):
@@ -251,24 +261,36 @@ class Plan:
                               "view)", op=self.op.name, param=names[index].name,
                               expected="an out whose elements are distinct",
                               got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
-            for other, earlier in zip(given[:index], names):
-                if _share_elements(tensor, other):
-                    raise OpError(f"shares memory with out {earlier.name}", op=self.op.name,
-                                  param=names[index].name, expected="outs of their own memory",
+            start, end = span = _span(tensor)
+            for earlier, (other_start, other_end) in enumerate(out_spans):
+                if start < other_end and other_start < end and \
+                        _share_elements(tensor, given[earlier]):
+                    raise OpError(f"shares memory with out {names[earlier].name}",
+                                  op=self.op.name, param=names[index].name,
+                                  expected="outs of their own memory",
                                   got=f"storage offsets {tensor.storage_offset()} and "
-                                      f"{other.storage_offset()} of one storage")
-            direct = (contiguous or (self.op.strided_out and distinct)) and not (
-                spans and tensor.numel() and self._overlaps_an_input(tensor, spans, inputs))
+                                      f"{given[earlier].storage_offset()} of one storage")
+            out_spans.append(span)
+            if spans is None:
+                spans = [_span(t) for t in inputs if t is not None and t.numel()]
+            direct = (contiguous or (self.op.strided_out and distinct)) and not \
+                self._overlaps_an_input(tensor, span, spans, inputs)
             targets.append(tensor if direct else allocate(spec))
         return targets, given
 
-    def _overlaps_an_input(self, out: torch.Tensor, spans: Sequence[tuple[int, int]],
+    def _not_a_tensor(self, given: Sequence[Any]) -> OpError:
+        return OpError("out must be a tensor or a sequence of tensors", op=self.op.name,
+                       param="out", expected="torch.Tensor",
+                       got=", ".join(type(t).__name__ for t in given))
+
+    def _overlaps_an_input(self, out: torch.Tensor, span: tuple[int, int],
+                           spans: Sequence[tuple[int, int]],
                            inputs: Sequence[torch.Tensor | None]) -> bool:
-        """Whether ``out``'s memory range meets one of the input ``spans``, other than as
-        the very same elements of an in-place operator's input (checked on the rare
-        overlap only: this runs on every ``run(out=)``; loops, not generators, for its
-        host cost)."""
-        start, end = _span(out)
+        """Whether ``out`` (its memory range ``span``) meets one of the input ``spans``,
+        other than as the very same elements of an in-place operator's input (checked on
+        the rare overlap only: this runs on every ``run(out=)``; loops, not generators,
+        for its host cost)."""
+        start, end = span
         for input_start, input_end in spans:
             if start < input_end and input_start < end:
                 break
@@ -325,8 +347,10 @@ class Plan:
         devices."""
         if not self._direct or _observer[0] is not None:
             return self._observed(tensors, None, None)
-        # The common call: no value checks, no in-place inputs, no observer: allocate and
+        # The common call: no in-place inputs, no observer: check the values, allocate and
         # launch (each skipped step is a fraction of a microsecond of a ~10 µs call).
+        if self.op.check_values is not None:
+            self.op.check_values(self, tensors)
         outputs = [torch.empty(shape, dtype=dtype, device=device)
                    for shape, dtype, device in self._allocations]
         if _POISON["enabled"]:

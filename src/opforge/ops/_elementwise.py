@@ -185,7 +185,7 @@ def elementwise_op(name: str, doc: str, inputs: tuple[TensorArg, ...],
         samples=samples,
         precision=precision,
         bench=bench,
-        inplace_out=inplace_out, held_launches=False,
+        inplace_out=inplace_out,
         **extra,
     )
 
