@@ -18,7 +18,7 @@ loss's and gradients' errors against float64 (CPU) or against the float32 unfuse
 Usage::
 
     PYTHONPATH=src python benchmarks/linear_cross_entropy_memory.py [--device cuda]
-        [--tokens 8192 --hidden 4096 --classes 128256 --dtype bfloat16]
+        [--tokens 8192 --hidden 4096 --classes 128256 --dtype bfloat16] [--golden float32]
 
 Writes ``<out>/linear_cross_entropy_<date>_<time>.{csv,md}``.
 """
@@ -170,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="V (CPU 32000, CUDA 128256)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="CPU float32, CUDA bfloat16")
+    parser.add_argument("--golden", choices=("float64", "float32"), default=None,
+                        help="the unfused pair's dtype for the errors: CPU float64, CUDA "
+                             "float32 (float64 logits of 8k x 128k need 25 GiB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path,
                         default=Path(os.environ.get("OUT", "benchmarks/results")))
@@ -190,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     leaves = [t.requires_grad_() for t in (hidden, weight)]
     # The golden: float64 on the CPU; on a GPU the float32 unfused pair (float64 products
     # at 8k x 128k x 4k are out of reach there).
-    wide = torch.float64 if not gpu else torch.float32
+    wide = getattr(torch, args.golden or ("float32" if gpu else "float64"))
     golden = unfused(*(t.detach().to(wide).requires_grad_() for t in leaves), target)
     logits_and_loss = tokens * classes * hidden.element_size() + 4 * tokens
     gradients = (hidden.numel() + weight.numel()) * hidden.element_size()

@@ -97,7 +97,8 @@ def _rms_error(value: torch.Tensor, golden: torch.Tensor, valid: torch.Tensor | 
 def calls(monkeypatch):
     """How often the patched forwards reach each opforge functional."""
     counted: dict[str, int] = {}
-    for name in ("attention", "rms_norm", "rope", "silu", "cross_entropy", "moe_gating_top_k"):
+    for name in ("attention", "rms_norm", "rope", "silu", "cross_entropy", "moe_gating_top_k",
+                 "fused_linear_cross_entropy"):
         real = getattr(opforge.hf, name)
 
         def counting(*args, _name=name, _real=real, **kwargs):
@@ -136,6 +137,71 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     assert patched_grads.keys() == golden_grads.keys()
     for patched, plain, golden, where in pairs:
         assert _rms_error(patched, golden, where) <= 2 * _rms_error(plain, golden, where) + floor
+
+
+def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor
+                   ) -> tuple[object, dict[str, torch.Tensor]]:
+    model.train().zero_grad()
+    out = model(ids, attention_mask=attention_mask, labels=ids)
+    out.loss.backward()
+    return out, {name: p.grad.detach().clone()
+                 for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_training_takes_the_fused_loss_and_makes_no_logits(kind, dtype, calls):
+    """In training with labels the loss comes from fused_linear_cross_entropy on the last
+    hidden states (logits None): the loss (Qwen3-MoE's with its router loss) and every
+    parameter gradient within 2x the unpatched model's error against a float64 copy (the
+    loss also within one rounding to the model's dtype, which the fused loss has); a tuple
+    output starts with the loss; unpatch gives the model its own forward back."""
+    overrides = {"output_router_logits": True} if kind == "qwen3_moe" else {}
+    model = _tiny(kind, **overrides)
+    golden_model = copy.deepcopy(model).double()
+    golden_model.set_experts_implementation("eager")
+    model = model.to(dtype)
+    ids, attention_mask = _batch()
+    golden, golden_grads = _training_step(golden_model, ids, attention_mask)
+    plain, plain_grads = _training_step(model, ids, attention_mask)
+    report = opforge.patch(model)
+    fused, fused_grads = _training_step(model, ids, attention_mask)
+    assert "fused_loss" in report.patched and fused.logits is None
+    assert calls["fused_linear_cross_entropy"] == 1 and "cross_entropy" not in calls
+    if kind == "qwen3_moe":
+        assert fused.aux_loss is not None and golden.aux_loss is not None
+    floor = 4 * torch.finfo(torch.float32).eps
+    rounding = torch.finfo(dtype).eps * abs(golden.loss.item())
+    assert abs(fused.loss.item() - golden.loss.item()) <= 2 * abs(
+        plain.loss.item() - golden.loss.item()) + rounding + floor
+    assert fused_grads.keys() == golden_grads.keys()
+    for name, golden_grad in golden_grads.items():
+        assert _rms_error(fused_grads[name], golden_grad) <= 2 * _rms_error(
+            plain_grads[name], golden_grad) + floor
+    as_tuple = model(ids, attention_mask=attention_mask, labels=ids, return_dict=False)
+    assert torch.equal(as_tuple[0], fused.loss)
+    with torch.no_grad():  # in eval, the logits as before
+        assert model.eval()(ids, labels=ids).logits.shape == (*ids.shape, VOCAB)
+    opforge.unpatch(model)
+    assert "forward" not in vars(model)
+
+
+def test_the_fused_loss_can_be_switched_off_and_divides_by_num_items():
+    """``fused_loss=False`` keeps the logits in training (the loss by cross_entropy); the
+    fused loss with ``num_items_in_batch`` is the sum over that count, as transformers'."""
+    model = _tiny("llama")
+    ids, _ = _batch()
+    report = opforge.patch(model, fused_loss=False)
+    assert report.left["fused_loss"] == "switched off by the caller"
+    kept = model.train()(ids, labels=ids)
+    assert kept.logits is not None
+    opforge.unpatch(model)
+    opforge.patch(model)
+    fused = model(ids, labels=ids, num_items_in_batch=7)
+    summed = torch.nn.functional.cross_entropy(
+        kept.logits[:, :-1].reshape(-1, VOCAB).double(), ids[:, 1:].reshape(-1),
+        reduction="sum") / 7
+    torch.testing.assert_close(fused.loss.double(), summed, rtol=1e-5, atol=1e-6)
 
 
 def test_a_padded_batch_equals_each_sequence_alone():

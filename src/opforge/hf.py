@@ -16,7 +16,10 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited top-k and
   ``norm_topk_prob`` either way; int64 indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
-  they come, with no float32 copy of them).
+  they come, with no float32 copy of them); in training with ``labels``, by
+  `opforge.fused_linear_cross_entropy` on the last hidden states and the output head's
+  weight, so that the ``[tokens, vocab]`` logits are never made (the output's ``logits``
+  is then None, as a fused loss's is).
 
 Modules keep their class and their parameters: a forward is bound on the instance, so
 ``state_dict`` keys, tied weights, devices and dtypes are those of the model as it was.
@@ -38,6 +41,7 @@ from opforge.core.errors import OpError
 from opforge.functional import (
     attention,
     cross_entropy,
+    fused_linear_cross_entropy,
     moe_gating_top_k,
     rms_norm,
     rope,
@@ -82,6 +86,7 @@ class _PatchState:
     modules: list[torch.nn.Module]
     attn_implementation: str | None
     rope_module: str | None
+    forward: Callable | None  # the model's own instance forward, if it had one
 
 
 # Modeling module name -> (models patched, the functions it had).
@@ -170,24 +175,99 @@ def _rope_function(mode: str) -> Callable:
     return apply
 
 
+def _causal_loss(loss_of: Callable[[torch.Tensor, str], torch.Tensor], labels: torch.Tensor,
+                 device: torch.device, num_items_in_batch: torch.Tensor | int | None,
+                 ignore_index: int, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` rule around ``loss_of(targets, reduction)``:
+    labels shifted left by one (unless ``shift_labels`` is given), the mean over
+    non-ignored tokens, or the sum divided by ``num_items_in_batch`` when given."""
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    targets = shift_labels.reshape(-1).to(device)
+    if num_items_in_batch is None:
+        return loss_of(targets, "mean")
+    loss = loss_of(targets, "sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    num_items_in_batch: torch.Tensor | int | None = None,
                    ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                    **kwargs: object) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` over `opforge.cross_entropy`: labels shifted left
-    by one (unless ``shift_labels`` is given), the mean over non-ignored tokens, or the
-    sum divided by ``num_items_in_batch`` when given. A float32 scalar."""
-    if shift_labels is None:
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
-    logits = logits.reshape(-1, vocab_size)
-    if num_items_in_batch is None:
-        return cross_entropy(logits, targets, ignore_index=ignore_index)
-    loss = cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+    """transformers' ``ForCausalLMLoss`` over `opforge.cross_entropy` (see `_causal_loss`):
+    a scalar in the logits' dtype."""
+    rows = logits.reshape(-1, vocab_size)
+    return _causal_loss(
+        lambda targets, reduction: cross_entropy(rows, targets, ignore_index=ignore_index,
+                                                 reduction=reduction),
+        labels, logits.device, num_items_in_batch, ignore_index, shift_labels)
+
+
+def fused_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor,
+                         labels: torch.Tensor,
+                         num_items_in_batch: torch.Tensor | int | None = None,
+                         ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                         **kwargs: object) -> torch.Tensor:
+    """`causal_lm_loss` of ``hidden_states @ weight.T`` (``hidden_states`` ``(B, S, H)``,
+    the output head's ``weight`` ``(V, H)``) by `opforge.fused_linear_cross_entropy`:
+    the logits are never made. Under autocast both run in its dtype, as the head would.
+    A scalar in that dtype."""
+    device = hidden_states.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
+        else weight.dtype
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1]).to(dtype)
+    head = weight.to(dtype)
+    return _causal_loss(
+        lambda targets, reduction: fused_linear_cross_entropy(
+            rows, head, targets, ignore_index=ignore_index, reduction=reduction),
+        labels, device, num_items_in_batch, ignore_index, shift_labels)
+
+
+def _fused_loss_forward(model: torch.nn.Module, forward: Callable) -> Callable:
+    """``forward`` (the model's) that, in training with ``labels`` given by name, runs the
+    model with its output head as the identity and takes the loss of the last hidden
+    states by `fused_causal_lm_loss` (plus a MoE model's router loss, as its forward adds
+    it); the output's ``logits`` is None. Any other call is ``forward``'s own."""
+    head = model.lm_head
+
+    def fused(*args: object, labels: torch.Tensor | None = None, **kwargs: object) -> object:
+        if labels is None or not model.training:
+            return forward(*args, labels=labels, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        head.forward = _identity
+        try:
+            outputs = forward(*args, return_dict=True, **kwargs)
+        finally:
+            del head.forward
+        loss = fused_causal_lm_loss(outputs.logits, head.weight, labels, **kwargs)
+        aux_loss = outputs.get("aux_loss")
+        if aux_loss is not None:
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+        # A fresh output: its fields (and a tuple of it) in the model's order, logits None.
+        outputs = type(outputs)(**{**outputs, "loss": loss, "logits": None})
+        wants_dict = model.config.return_dict if return_dict is None else return_dict
+        return outputs if wants_dict else outputs.to_tuple()
+
+    return fused
+
+
+def _identity(hidden_states: torch.Tensor) -> torch.Tensor:
+    return hidden_states
+
+
+def _fused_loss_refusal(model: torch.nn.Module) -> str | None:
+    """Why the fused loss cannot stand in for the model's head and loss, or None."""
+    head = model.lm_head
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return "the output head is not a bias-free torch.nn.Linear"
+    if "forward" in vars(head):
+        return "the output head's forward is already replaced (hooks of another library)"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "the logits are soft-capped"
+    return None
 
 
 def _register_attention() -> None:
@@ -250,14 +330,18 @@ def _restore_rope(module_name: str) -> None:
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
-          rope: bool = True, attention: bool = True, router: bool = True, loss: bool = True
-          ) -> PatchReport:
+          rope: bool = True, attention: bool = True, router: bool = True, loss: bool = True,
+          fused_loss: bool = True) -> PatchReport:
     """Swap opforge's operators into a ``transformers`` model in place (see the module's
     docstring for what each switch swaps); a model already patched returns its report.
 
     Args:
         model: a ``transformers`` ``PreTrainedModel`` of a type in
             `SUPPORTED_MODEL_TYPES`, on any device and dtype.
+        fused_loss: with ``loss``, a training call given ``labels`` takes its loss from the
+            last hidden states by `fused_linear_cross_entropy` and returns ``logits``
+            None (the memory of the ``[tokens, vocab]`` logits and their gradient saved);
+            ``False`` keeps the logits (the loss by `opforge.cross_entropy` on them).
 
     Returns:
         A `PatchReport`: the module names patched per component, and what was left (fused
@@ -303,14 +387,23 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                     if cls.__module__.startswith("transformers.models."))
         rope_module = base.__module__
         report.patched["rope"] = [f"{rope_module}.{name}" for name in _swap_rope(rope_module)]
+    forward = None
     if loss and hasattr(model, "lm_head"):
         model.loss_function = causal_lm_loss
         report.patched["loss"] = ["loss_function"]
+        refusal = _fused_loss_refusal(model) if fused_loss else "switched off by the caller"
+        if refusal is None:
+            forward = vars(model).get("forward")
+            model.forward = _fused_loss_forward(model, model.forward)
+            report.patched["fused_loss"] = ["forward (training with labels: "
+                                            "fused_linear_cross_entropy, logits None)"]
+        else:
+            report.left["fused_loss"] = refusal
     for switch, on in (("rms_norm", rms_norm), ("swiglu_mlp", mlp), ("attention", attention),
                        ("rope", rope), ("moe_router", router), ("loss", loss)):
         if not on:
             report.left[switch] = "switched off by the caller"
-    model._opforge_patch = _PatchState(report, modules, previous, rope_module)
+    model._opforge_patch = _PatchState(report, modules, previous, rope_module, forward)
     return report
 
 
@@ -329,4 +422,9 @@ def unpatch(model: torch.nn.Module) -> None:
         _restore_rope(state.rope_module)
     if "loss" in state.report.patched:
         del model._loss_function
+    if "fused_loss" in state.report.patched:
+        if state.forward is None:
+            del model.forward
+        else:
+            model.forward = state.forward
     del model._opforge_patch

@@ -11,17 +11,17 @@ its log-sum-exp from `cross_entropy`, and its row losses
 ``lse - (1 - eps) x_t - eps mean(x)`` in float32 from them; the reduction sums the float32
 rows in a fixed order (``mean``: over the rows not ignored).
 
-The backward recomputes each chunk's logits and their log-sum-exp (a forward that kept
-the lse would hand it over in float32, computed from logits rounded to the inputs'
-dtype): ``grad_logits`` through `cross_entropy_backward`, then ``grad_hidden = grad_logits @
-weight`` and ``grad_weight += grad_logits.T @ hidden`` summed over the chunks in float32
-(in the gradient itself for a float32 weight, else in a float32 [V, H] buffer rounded once
-at the end). Four products in all against the unfused pair's three. Beyond the gradients,
-the peak holds a chunk's logits and their gradient (2 C V), one chunk's [V, H] product
-(the matmul has no accumulating form yet) and, for a 16-bit weight, the float32 sum
-(2 V H elements' worth): against the unfused 2 N V, a saving where N V is large beside
-V H (many tokens, a moderate hidden size); at 8k tokens, H 4096 and V 128k the [V, H]
-terms take about as much as the logits they replace.
+The backward makes two passes, each holding about as many logits as a forward chunk.
+Over the chunks of tokens it recomputes each chunk's logits and their log-sum-exp (a
+forward that kept the lse would hand it over in float32, computed from logits rounded to
+the inputs' dtype), their gradient by `cross_entropy_backward` and ``grad_hidden =
+grad_logits @ weight``, and keeps every row's lse. Over blocks of classes (all tokens
+at once, the block's logits as large as a chunk's) it recomputes the block's logits, their
+gradient from the kept lse (``w (softmax - (1 - eps) onehot - eps / V)``, 0 on ignored
+rows) and ``grad_weight[block] = grad_logits.T @ hidden``. Each gradient element is thus
+one product, accumulated in float32 inside the matmul and rounded once, and nothing of
+size [V, H] or [N, V] is held beyond the gradients themselves: four products in all
+against the unfused pair's three.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ def chunk_rows(tokens: int, hidden_size: int, classes: int) -> int:
     return max(1, min(tokens, max(MIN_CHUNK, cdiv(tokens * hidden_size, max(classes, 1)))))
 
 
+def class_block(tokens: int, hidden_size: int, classes: int) -> int:
+    """Classes of a backward block: its logits over all tokens as large as a chunk's."""
+    chunk = chunk_rows(tokens, hidden_size, classes)
+    return max(1, min(classes, cdiv(chunk * classes, max(tokens, 1))))
+
+
 def _check(op: str, backward: bool) -> object:
     def check(inputs: Specs, attrs: Attrs) -> None:
         hidden, weight, target = inputs[1:4] if backward else inputs
@@ -126,8 +132,11 @@ def _cost(backward: bool) -> object:
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    """One variant: chunks of `chunk_rows` tokens (the steps keep their own tiles)."""
-    return [Tiling("chunks", {"CHUNK": chunk_rows(*_geometry(inputs))}, 0)]
+    """One variant: chunks of `chunk_rows` tokens, blocks of `class_block` classes (the
+    steps keep their own tiles)."""
+    geometry = _geometry(inputs)
+    return [Tiling("chunks", {"CHUNK": chunk_rows(*geometry),
+                              "CLASS_BLOCK": class_block(*geometry)}, 0)]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
@@ -302,13 +311,15 @@ def backward_reference(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.T
 # Launchers (both backends: the steps run on the backend in use)
 
 
-def _chunks(plan: object, tokens: int) -> list[tuple[str, int, int]]:
-    """(step suffix, first row, end row) of each chunk: the full chunks share one plan per
-    step, the shorter last chunk another."""
-    size = plan.tiling.blocks["CHUNK"] if plan.tiling is not None \
-        else chunk_rows(*_geometry(plan.inputs))
+def _blocks(plan: object, count: int, block: str) -> list[tuple[str, int, int]]:
+    """(step suffix, start, end) of each block of ``count`` rows (``block`` "CHUNK") or
+    classes ("CLASS_BLOCK"): the full blocks share one plan per step, the shorter last
+    block another."""
+    geometry = _geometry(plan.inputs)
+    size = plan.tiling.blocks[block] if plan.tiling is not None else (
+        chunk_rows if block == "CHUNK" else class_block)(*geometry)
     return [("" if end - start == size else "_tail", start, end)
-            for start in range(0, tokens, size) for end in (min(start + size, tokens),)]
+            for start in range(0, count, size) for end in (min(start + size, count),)]
 
 
 def _dense(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
@@ -324,11 +335,14 @@ def _chunk_logits(plan: object, hidden: torch.Tensor, weight: torch.Tensor,
     """(step suffix, first row, end row, logits, float32 lse) of each chunk, by a matmul
     step and a cross_entropy step."""
     row_attrs = {**plan.attrs, "reduction": "none"}
-    for suffix, start, end in _chunks(plan, hidden.shape[0]):
+    for suffix, start, end in _blocks(plan, hidden.shape[0], "CHUNK"):
         logits = plan.run_step("logits" + suffix, "matmul", hidden[start:end], weight.T)
         _, lse = plan.run_step("lse" + suffix, "cross_entropy", logits, target[start:end],
                                **row_attrs)
         yield suffix, start, end, logits, lse
+        # Freed before the next chunk's are made, here and by each caller: the peak
+        # holds one chunk's logits, not two.
+        del logits, lse
 
 
 def _row_losses(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
@@ -357,6 +371,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     with backends.device_side_checks():
         for _, start, end, logits, lse in _chunk_logits(plan, hidden, weight, target):
             rows[start:end] = _row_losses(logits, target[start:end], lse, attrs)
+            del logits, lse
     if attrs["reduction"] == "none":
         loss.copy_(rows)
     elif attrs["reduction"] == "sum":
@@ -365,35 +380,65 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         loss.copy_(rows.sum() / (target != attrs["ignore_index"]).sum())
 
 
+def _block_gradient(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+                    lse: torch.Tensor, row_weights: torch.Tensor, first_class: int,
+                    classes: int, smoothing: float) -> torch.Tensor:
+    """The gradient of the loss with respect to a block of classes' logits (columns
+    ``first_class ..`` of every row), from each row's float32 lse and weight:
+    ``w (exp(x - lse) - (1 - eps) onehot - eps / V)``, 0 on the rows not ``valid``
+    (ignored), rounded once. In place on one float32 block."""
+    gradient = (logits - lse[:, None]).exp_()  # float32: lse promotes
+    if smoothing:
+        gradient -= smoothing / classes
+    column = target.long() - first_class
+    inside = (column >= 0) & (column < logits.shape[1])
+    gradient.scatter_add_(1, column.clamp(0, logits.shape[1] - 1)[:, None],
+                          torch.where(inside, smoothing - 1.0, 0.0)[:, None])
+    gradient.mul_(row_weights[:, None]).masked_fill_(~valid[:, None], 0.0)
+    return gradient.to(logits.dtype)
+
+
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("torch")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """Chunk by chunk: the logits and their lse again, their gradient by
+    """Chunk by chunk of tokens: the logits and their lse again, their gradient by
     cross_entropy_backward (each row weighted by the loss's gradient, divided by the rows
-    counted for ``mean``), then both products, grad_weight summed in float32."""
+    counted for ``mean``) and grad_hidden; then block by block of classes: the logits
+    again, their gradient from the kept lse and grad_weight."""
     grad, (hidden, weight, target) = inputs[0], _dense(*inputs[1:])
     grad_hidden, grad_weight = outputs
     attrs = plan.attrs
+    tokens, classes = hidden.shape[0], weight.shape[0]
+    valid = target != attrs["ignore_index"]
     weights = grad.float()
     if attrs["reduction"] == "mean":
-        weights = weights / (target != attrs["ignore_index"]).sum()
+        weights = weights / valid.sum()
     row_attrs = {**attrs, "reduction": "none" if attrs["reduction"] == "none" else "sum"}
-    total = grad_weight if grad_weight.dtype == torch.float32 else torch.empty(
-        grad_weight.shape, dtype=torch.float32, device=grad_weight.device)
-    total.zero_()
+    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     with backends.device_side_checks():
-        for suffix, start, end, logits, lse in _chunk_logits(plan, hidden, weight, target):
+        for suffix, start, end, logits, chunk_lse in _chunk_logits(plan, hidden, weight,
+                                                                    target):
+            lse[start:end] = chunk_lse
             grad_logits = plan.run_step(
                 "grad_logits" + suffix, "cross_entropy_backward",
                 weights[start:end] if attrs["reduction"] == "none" else weights, logits,
-                target[start:end], lse, **row_attrs)
+                target[start:end], chunk_lse, **row_attrs)
             plan.run_step("grad_hidden" + suffix, "matmul", grad_logits, weight,
                           out=grad_hidden[start:end])
-            total += plan.run_step("grad_weight" + suffix, "matmul", grad_logits.T,
-                                   hidden[start:end])
-    if total is not grad_weight:
-        grad_weight.copy_(total)
+            del logits, chunk_lse, grad_logits
+    if not tokens:
+        grad_weight.zero_()
+        return
+    row_weights = weights.expand(tokens)
+    for suffix, start, end in _blocks(plan, classes, "CLASS_BLOCK"):
+        logits = plan.run_step("block_logits" + suffix, "matmul", hidden,
+                               weight[start:end].T)
+        gradient = _block_gradient(logits, target, valid, lse, row_weights, start,
+                                   classes, attrs["label_smoothing"])
+        plan.run_step("grad_weight" + suffix, "matmul", gradient.T, hidden,
+                      out=grad_weight[start:end])
+        del logits, gradient
 
 
 # ---------------------------------------------------------------------------------------------
