@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run test lint verify bench certificate study clean portability ascend-check \
-	test-triton32 test-notriton msprobe-fixtures
+	test-triton32 test-notriton msprobe-fixtures gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,18 @@ $(MSPROBE)/.installed: constraints-msprobe.txt
 
 msprobe-fixtures: $(MSPROBE)/.installed
 	$(MSPROBE)/bin/python tests/fixtures/msprobe/generate.py
+
+# The GPU machine's peers, carried to it in .wheels/ (it has no network; Python 3.12):
+# Liger-Kernel, and transformers with its dependencies for benchmarks/hf_training_step.py
+# (numpy is installed there only where the machine lacks it; see gpu_check.sh). ~45 MiB.
+LIGER_VERSION ?= 0.8.5
+GPU_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux_2_28_x86_64 --platform any
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps -d .wheels liger-kernel==$(LIGER_VERSION)
+	$(PYTHON) -m pip download --quiet -d .wheels --only-binary=:all: --python-version 3.12 \
+		$(GPU_PLATFORMS) transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 \
+		safetensors==0.8.0
 
 clean:
 	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) $(MSPROBE) reports .pytest_cache

@@ -5,8 +5,9 @@
 #     STEPS="profile bench profiler_tests" bash benchmarks/gpu_check.sh   # some steps
 #
 # Results go to $OUT (default benchmarks/results/gpu). Steps, in order:
-#   env            environment (env.txt); Liger-Kernel installed from .wheels/ when there
-#                  (`pip download --no-deps liger-kernel -d .wheels`, carried to the machine)
+#   env            environment (env.txt); the wheels in .wheels/ installed when there
+#                  (`make gpu-wheels`: Liger-Kernel, transformers and its dependencies;
+#                  carried to the machine)
 #   call_path      tests/test_call_path.py and tests/test_cross_entropy.py on CUDA (held
 #                  launches replayed through the compiled kernels' launchers, every
 #                  operator; the cross-entropy kernels)
@@ -16,6 +17,9 @@
 #   linear_cross_entropy  benchmarks/linear_cross_entropy_memory.py: peak memory and time of
 #                  the fused linear cross-entropy (N 8192, H 4096, V 128256, bf16) beside the
 #                  unfused pair and Liger-Kernel's
+#   hf_step        benchmarks/hf_training_step.py: a Llama-shaped model's training step
+#                  (4 layers of Llama-3-8B's shapes, bf16, 2 x 4096 tokens) unpatched,
+#                  opforge-patched and Liger-patched (needs transformers from .wheels/)
 #   kernel_breakdown  benchmarks/kernel_breakdown.py: each kernel's device time in one
 #                  forward + backward of every pair, per implementation
 #   gpu_bench_tuned  gpu_bench.py --autotune $TUNED_ARGS (default --targets: the speed
@@ -49,7 +53,8 @@
 # --skip-attention), kernel_breakdown.py (--warps 8,32) and opforge verify (--dtype bfloat16).
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
-# (seconds; override with CALL_PATH_TIMEOUT, BENCH_TIMEOUT, LINEAR_CE_TIMEOUT, BREAKDOWN_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
+# (seconds; override with CALL_PATH_TIMEOUT, BENCH_TIMEOUT, LINEAR_CE_TIMEOUT, HF_STEP_TIMEOUT,
+# BREAKDOWN_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
 # OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
 # not fit every step at once (the 2026-12-01 run took 103 s for gpu_bench, 41 s for
@@ -67,7 +72,7 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
-DEFAULT_STEPS="call_path gpu_bench linear_cross_entropy kernel_breakdown attention_precision tests verify replay host_overhead"
+DEFAULT_STEPS="call_path gpu_bench linear_cross_entropy hf_step kernel_breakdown attention_precision tests verify replay host_overhead"
 STEPS=${STEPS:-"$DEFAULT_STEPS profiler_tests profile bench demo"}
 
 # wanted NAME: whether STEPS lists NAME.
@@ -98,9 +103,14 @@ step() {
 start=$SECONDS
 rc=0
 if compgen -G ".wheels/*.whl" > /dev/null; then
-  # Pure-Python peers (Liger-Kernel), installed beside the machine's torch and Triton.
-  "$PYTHON" -m pip install -q --no-deps --no-index --target "$FINAL/peers" .wheels/*.whl \
-    || rc=$?
+  # Peers (Liger-Kernel, transformers), installed beside the machine's torch and Triton;
+  # its own numpy, where it has one, is kept.
+  wheels=$(ls .wheels/*.whl)
+  if "$PYTHON" -c "import numpy" 2> /dev/null; then
+    wheels=$(ls .wheels/*.whl | grep -v '/numpy-')
+  fi
+  # shellcheck disable=SC2086
+  "$PYTHON" -m pip install -q --no-deps --no-index --target "$FINAL/peers" $wheels || rc=$?
   export PYTHONPATH=$PYTHONPATH:$FINAL/peers
 fi
 {
@@ -128,6 +138,8 @@ step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "
   --sizes 8192x8192 ${BENCH_ARGS:-}
 step linear_cross_entropy "${LINEAR_CE_TIMEOUT:-150}" "$PYTHON" \
   benchmarks/linear_cross_entropy_memory.py --device cuda --out "$OUT"
+step hf_step "${HF_STEP_TIMEOUT:-240}" "$PYTHON" benchmarks/hf_training_step.py --device cuda \
+  --out "$OUT"
 step kernel_breakdown "${BREAKDOWN_TIMEOUT:-150}" "$PYTHON" benchmarks/kernel_breakdown.py \
   --out "$OUT" ${BREAKDOWN_ARGS:-}
 if wanted gpu_bench_tuned; then mkdir -p "$OUT/tuned"; fi

@@ -192,7 +192,10 @@ class _Launch:
 def _byte_view(offset: int, nbytes: int, dtype: torch.dtype
                ) -> Callable[[torch.Tensor], torch.Tensor]:
     def view(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.reshape(-1).view(torch.uint8)[offset:offset + nbytes].view(dtype)
+        # The usual slot is a workspace, already flat bytes: two view operators, not four.
+        if tensor.dtype is not torch.uint8 or tensor.dim() != 1:
+            tensor = tensor.reshape(-1).view(torch.uint8)
+        return tensor[offset:offset + nbytes].view(dtype)
     return view
 
 
