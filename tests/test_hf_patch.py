@@ -6,6 +6,7 @@ ties kept, and `unpatch` restoring it."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -202,6 +203,44 @@ def test_the_fused_loss_can_be_switched_off_and_divides_by_num_items():
         kept.logits[:, :-1].reshape(-1, VOCAB).double(), ids[:, 1:].reshape(-1),
         reduction="sum") / 7
     torch.testing.assert_close(fused.loss.double(), summed, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_loss_forward_behaves_as_the_model_s_own():
+    """The patched forward keeps the model's signature (transformers' Trainer and generate
+    read it), takes labels by position too, leaves a head replaced or re-wrapped after
+    the patch to compute its logits, gives a deep copy a forward of its own, and runs
+    under torch.compile."""
+    model = _tiny("llama")
+    ids, attention_mask = _batch()
+    signature = inspect.signature(model.forward)
+    opforge.patch(model)
+    assert inspect.signature(model.forward) == signature
+    model.train()
+    by_name = model(ids, attention_mask=attention_mask, labels=ids)
+    by_position = model(ids, attention_mask, None, None, None, ids)
+    assert by_position.logits is None and torch.equal(by_position.loss, by_name.loss)
+
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.zero_()
+    copied(ids, labels=ids).loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert any(p.grad is not None for p in copied.parameters())
+
+    compiled = torch.compile(model, backend="eager")
+    torch.testing.assert_close(compiled(ids, attention_mask=attention_mask, labels=ids).loss,
+                               by_name.loss)
+
+    def hooked(hidden_states):  # a forward another library installs on the head
+        return torch.nn.functional.linear(hidden_states, model.lm_head.weight)
+
+    model.lm_head.forward = hooked
+    kept = model(ids, attention_mask=attention_mask, labels=ids)
+    assert kept.logits is not None and vars(model.lm_head)["forward"] is hooked
+    torch.testing.assert_close(kept.loss, by_name.loss)
+    model.lm_head = torch.nn.Linear(64, VOCAB, bias=False)  # a new head: its own logits
+    assert model(ids, labels=ids).logits.shape == (*ids.shape, VOCAB)
 
 
 def test_a_padded_batch_equals_each_sequence_alone():

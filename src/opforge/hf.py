@@ -30,6 +30,8 @@ Fused experts are left as they are (the report says why).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -87,6 +89,7 @@ class _PatchState:
     attn_implementation: str | None
     rope_module: str | None
     forward: Callable | None  # the model's own instance forward, if it had one
+    labels_position: int | None  # of ``labels`` among the forward's positional parameters
 
 
 # Modeling module name -> (models patched, the functions it had).
@@ -226,36 +229,65 @@ def fused_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor,
         labels, device, num_items_in_batch, ignore_index, shift_labels)
 
 
-def _fused_loss_forward(model: torch.nn.Module, forward: Callable) -> Callable:
-    """``forward`` (the model's) that, in training with ``labels`` given by name, runs the
-    model with its output head as the identity and takes the loss of the last hidden
-    states by `fused_causal_lm_loss` (plus a MoE model's router loss, as its forward adds
-    it); the output's ``logits`` is None. Any other call is ``forward``'s own."""
-    head = model.lm_head
-
-    def fused(*args: object, labels: torch.Tensor | None = None, **kwargs: object) -> object:
-        if labels is None or not model.training:
-            return forward(*args, labels=labels, **kwargs)
-        return_dict = kwargs.pop("return_dict", None)
-        head.forward = _identity
-        try:
-            outputs = forward(*args, return_dict=True, **kwargs)
-        finally:
-            del head.forward
-        loss = fused_causal_lm_loss(outputs.logits, head.weight, labels, **kwargs)
-        aux_loss = outputs.get("aux_loss")
-        if aux_loss is not None:
-            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
-        # A fresh output: its fields (and a tuple of it) in the model's order, logits None.
-        outputs = type(outputs)(**{**outputs, "loss": loss, "logits": None})
-        wants_dict = model.config.return_dict if return_dict is None else return_dict
-        return outputs if wants_dict else outputs.to_tuple()
-
-    return fused
+def _head_forward(self: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output head's forward while the model is patched: the hidden states themselves
+    while the model's fused-loss forward runs (``_opforge_hidden_out``), else the head's
+    product (a bias-free Linear, `_fused_loss_refusal`)."""
+    if self._opforge_hidden_out:
+        return hidden_states
+    return torch.nn.functional.linear(hidden_states, self.weight)
 
 
-def _identity(hidden_states: torch.Tensor) -> torch.Tensor:
-    return hidden_states
+def _carries_head_forward(head: object) -> bool:
+    """Whether ``head`` is still the output head `patch` bound `_head_forward` on (a head
+    replaced or re-wrapped since then is left to compute its logits)."""
+    bound = vars(head).get("forward") if isinstance(head, torch.nn.Module) else None
+    return getattr(bound, "__func__", None) is _head_forward
+
+
+def _fused_loss_call(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+    """The patched model's forward: in training, given ``labels`` (by name or position),
+    the model's own forward with its output head returning the hidden states, and the loss
+    of those by `fused_causal_lm_loss` (plus a MoE model's router loss, as its forward
+    adds it); the output's ``logits`` is None. Any other call is the model's own forward."""
+    state = self._opforge_patch
+    forward = state.forward if state.forward is not None else types.MethodType(
+        type(self).forward, self)
+    position = state.labels_position
+    positional = position is not None and len(args) > position
+    labels = args[position] if positional else kwargs.get("labels")
+    head = getattr(self, "lm_head", None)
+    if labels is None or not self.training or not _carries_head_forward(head):
+        return forward(*args, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    loss_kwargs = {name: value for name, value in kwargs.items() if name != "labels"}
+    if positional:
+        args = (*args[:position], None, *args[position + 1:])
+    else:
+        kwargs["labels"] = None
+    head._opforge_hidden_out = True
+    try:
+        outputs = forward(*args, return_dict=True, **kwargs)
+    finally:
+        head._opforge_hidden_out = False
+    loss = fused_causal_lm_loss(outputs.logits, head.weight, labels, **loss_kwargs)
+    aux_loss = outputs.get("aux_loss")
+    if aux_loss is not None:
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    # A fresh output: its fields (and a tuple of it) in the model's order, logits None.
+    outputs = type(outputs)(**{**outputs, "loss": loss, "logits": None})
+    wants_dict = self.config.return_dict if return_dict is None else return_dict
+    return outputs if wants_dict else outputs.to_tuple()
+
+
+def _fused_loss_forward(cls: type) -> Callable:
+    """`_fused_loss_call` under the name, docstring and signature of ``cls.forward``
+    (transformers reads a model's forward signature: Trainer's input columns, generate's
+    ``logits_to_keep`` and attention-mask rules)."""
+    @functools.wraps(cls.forward)
+    def forward(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        return _fused_loss_call(self, *args, **kwargs)
+    return forward
 
 
 def _fused_loss_refusal(model: torch.nn.Module) -> str | None:
@@ -387,14 +419,18 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                     if cls.__module__.startswith("transformers.models."))
         rope_module = base.__module__
         report.patched["rope"] = [f"{rope_module}.{name}" for name in _swap_rope(rope_module)]
-    forward = None
+    forward = labels_position = None
     if loss and hasattr(model, "lm_head"):
         model.loss_function = causal_lm_loss
         report.patched["loss"] = ["loss_function"]
         refusal = _fused_loss_refusal(model) if fused_loss else "switched off by the caller"
         if refusal is None:
             forward = vars(model).get("forward")
-            model.forward = _fused_loss_forward(model, model.forward)
+            names = list(inspect.signature(model.forward).parameters)
+            labels_position = names.index("labels") if "labels" in names else None
+            _bind(model.lm_head, _head_forward, modules)
+            model.lm_head._opforge_hidden_out = False
+            model.forward = types.MethodType(_fused_loss_forward(type(model)), model)
             report.patched["fused_loss"] = ["forward (training with labels: "
                                             "fused_linear_cross_entropy, logits None)"]
         else:
@@ -403,7 +439,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                        ("rope", rope), ("moe_router", router), ("loss", loss)):
         if not on:
             report.left[switch] = "switched off by the caller"
-    model._opforge_patch = _PatchState(report, modules, previous, rope_module, forward)
+    model._opforge_patch = _PatchState(report, modules, previous, rope_module, forward,
+                                       labels_position)
     return report
 
 
@@ -416,6 +453,7 @@ def unpatch(model: torch.nn.Module) -> None:
         return
     for module in state.modules:
         del module.forward
+        vars(module).pop("_opforge_hidden_out", None)
     if state.attn_implementation is not None:
         model.set_attn_implementation(state.attn_implementation)
     if state.rope_module is not None:

@@ -231,9 +231,12 @@ class Plan:
             return fresh, fresh
         given = [out] if isinstance(out, torch.Tensor) else (
             list(out) if isinstance(out, (list, tuple)) else [out])
+        for tensor in given:
+            if not isinstance(tensor, torch.Tensor):
+                raise OpError("out must be a tensor or a sequence of tensors",
+                              op=self.op.name, param="out", expected="torch.Tensor",
+                              got=", ".join(type(t).__name__ for t in given))
         if len(given) != len(self.outputs):
-            if not all(isinstance(tensor, torch.Tensor) for tensor in given):
-                raise self._not_a_tensor(given)
             raise OpError("out has the wrong number of tensors", op=self.op.name, param="out",
                           expected=len(self.outputs), got=len(given))
         # Kernels write contiguous outputs, or any layout whose elements are distinct where
@@ -247,8 +250,6 @@ class Plan:
         targets = []
         for index, tensor in enumerate(given):
             spec = self.outputs[index]
-            if not isinstance(tensor, torch.Tensor):
-                raise self._not_a_tensor(given)
             _check_against(tensor, spec, self.op.name, names[index].name)
             if not tensor.numel():
                 out_spans.append((0, 0))
@@ -277,11 +278,6 @@ class Plan:
                 self._overlaps_an_input(tensor, span, spans, inputs)
             targets.append(tensor if direct else allocate(spec))
         return targets, given
-
-    def _not_a_tensor(self, given: Sequence[Any]) -> OpError:
-        return OpError("out must be a tensor or a sequence of tensors", op=self.op.name,
-                       param="out", expected="torch.Tensor",
-                       got=", ".join(type(t).__name__ for t in given))
 
     def _overlaps_an_input(self, out: torch.Tensor, span: tuple[int, int],
                            spans: Sequence[tuple[int, int]],

@@ -387,13 +387,14 @@ def _block_gradient(logits: torch.Tensor, target: torch.Tensor, valid: torch.Ten
     ``first_class ..`` of every row), from each row's float32 lse and weight:
     ``w (exp(x - lse) - (1 - eps) onehot - eps / V)``, 0 on the rows not ``valid``
     (ignored), rounded once. In place on one float32 block."""
-    gradient = (logits - lse[:, None]).exp_()  # float32: lse promotes
+    # float32 (lse promotes 16-bit logits), float64 for float64 logits.
+    gradient = (logits - lse[:, None]).exp_()
     if smoothing:
         gradient -= smoothing / classes
     column = target.long() - first_class
     inside = (column >= 0) & (column < logits.shape[1])
     gradient.scatter_add_(1, column.clamp(0, logits.shape[1] - 1)[:, None],
-                          torch.where(inside, smoothing - 1.0, 0.0)[:, None])
+                          torch.where(inside, smoothing - 1.0, 0.0).to(gradient.dtype)[:, None])
     gradient.mul_(row_weights[:, None]).masked_fill_(~valid[:, None], 0.0)
     return gradient.to(logits.dtype)
 
