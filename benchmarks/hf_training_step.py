@@ -42,6 +42,11 @@ from typing import Any
 import torch
 
 IMPLEMENTATIONS = ("transformers (sdpa)", "opforge.patch", "Liger-Kernel")
+# The report's columns: (title, row key).
+COLUMNS = (("implementation", "implementation"), ("median step ms", "step_ms"),
+           ("fastest ms", "fastest_ms"), ("speed vs unpatched", "vs_unpatched"),
+           ("peak MiB", "peak_mib"), ("first loss", "first_loss"), ("last loss", "last_loss"),
+           ("note", "note"))
 # Model and batch sizes: (CPU default, CUDA default).
 SIZES = {"layers": (4, 4), "hidden": (512, 4096), "heads": (8, 32), "kv_heads": (4, 8),
          "intermediate": (1408, 14336), "vocab": (32000, 128256), "batch": (4, 2),
@@ -166,24 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {k: getattr(args, k) for k in (*SIZES, "dtype", "steps", "warmup")}
     lines = [f"# Training step of a Llama-shaped model, {args.device}", "",
              ", ".join(f"{k} {v}" for k, v in config.items()), "",
-             "| implementation | median step ms | fastest ms | speed vs unpatched | "
-             "peak MiB | first loss | last loss | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['implementation']} | {r.get('step_ms', '-')} | {r.get('fastest_ms', '-')}"
-              f" | {r.get('vs_unpatched', '-')} | {r.get('peak_mib', '') or '-'} | "
-              f"{r.get('first_loss', '-')} | {r.get('last_loss', '-')} | {r.get('note', '')} |"
+             "| " + " | ".join(title for title, _ in COLUMNS) + " |",
+             "|---|" + "---:|" * (len(COLUMNS) - 2) + "---|"]
+    lines += ["| " + " | ".join(str(r.get(key, "")) or "-" for _, key in COLUMNS) + " |"
               for r in rows]
     lines += ["", "Speed vs unpatched: the unpatched median step over this one's (above 1: "
               "faster). Peak (CUDA): the allocator's peak during the timed steps above what "
               "the model, its gradients and AdamW's state hold.", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
-    keys = ["implementation", "step_ms", "fastest_ms", "vs_unpatched", "peak_mib",
-            "first_loss", "last_loss", "note"]
-    csv_path, md_path = write_results(args.out, "hf_training_step",
-                                      [{**env, **config, **{k: r.get(k, "") for k in keys}}
-                                       for r in rows], "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
+    text = "\n".join(lines) + "\n"
+    written = write_results(
+        args.out, "hf_training_step",
+        [{**env, **config, **{key: r.get(key, "") for _, key in COLUMNS}} for r in rows], text)
+    print(text + "wrote " + " and ".join(str(path) for path in written))
     return 0
 
 

@@ -69,6 +69,16 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     return model.eval()
 
 
+def _with_golden(kind: str, dtype: torch.dtype, **overrides: object
+                 ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny model in ``dtype`` and its float64 copy (eager experts: grouped_mm has no
+    float64 on CPUs)."""
+    model = _tiny(kind, **overrides)
+    golden_model = copy.deepcopy(model).double()
+    golden_model.set_experts_implementation("eager")
+    return model.to(dtype), golden_model
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(ids)
@@ -116,10 +126,7 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     """Logits and every parameter gradient of a training step with a left-padded batch:
     the patched model's error against a float64 copy is at most 2x the unpatched model's
     own (plus float32 rounding, where both are at that level)."""
-    model = _tiny(kind)
-    golden_model = copy.deepcopy(model).double()
-    golden_model.set_experts_implementation("eager")  # grouped_mm has no float64 on CPUs
-    model = model.to(dtype)
+    model, golden_model = _with_golden(kind, dtype)
     ids, attention_mask = _batch()
     golden_logits, golden_grads = _step(golden_model, ids, attention_mask)
     plain_logits, plain_grads = _step(model, ids, attention_mask)
@@ -158,10 +165,7 @@ def test_training_takes_the_fused_loss_and_makes_no_logits(kind, dtype, calls):
     loss also within one rounding to the model's dtype, which the fused loss has); a tuple
     output starts with the loss; unpatch gives the model its own forward back."""
     overrides = {"output_router_logits": True} if kind == "qwen3_moe" else {}
-    model = _tiny(kind, **overrides)
-    golden_model = copy.deepcopy(model).double()
-    golden_model.set_experts_implementation("eager")
-    model = model.to(dtype)
+    model, golden_model = _with_golden(kind, dtype, **overrides)
     ids, attention_mask = _batch()
     golden, golden_grads = _training_step(golden_model, ids, attention_mask)
     plain, plain_grads = _training_step(model, ids, attention_mask)
