@@ -5,7 +5,8 @@
 Builds the model from its config (no hub access), keeps a float64 copy and an unpatched
 copy, then `opforge.patch`es the model and prints: what was patched and left, the
 logits' error of the patched and the unpatched model against the float64 copy on a
-left-padded batch, the losses of a few AdamW steps of both, and the alerts of
+left-padded batch, the losses of a few AdamW steps of both (the patched model's from its
+last hidden states by the fused linear cross-entropy: no logits made), and the alerts of
 `opforge.precision.Monitor` watching the patched model. ``TRITON_INTERPRET=1`` runs the
 Triton kernels on a CPU.
 """
