@@ -58,13 +58,18 @@ def split_steps(steps: int, splits: int) -> tuple[int, int]:
     return per_split, cdiv(steps, per_split) if steps else 1
 
 
-def gpu_warps(elements: int, hardware: HardwareProfile) -> int | None:
-    """Warps for a program that keeps ``elements`` values live, on a CUDA GPU: about 16
-    values a thread, from 4 to 32 warps (fewer warps spill registers on wide rows). ``None``
-    elsewhere: triton-ascend has no warps and the interpreter ignores them."""
+# Values a thread keeps live, by default: fewer warps spill registers on wide rows.
+VALUES_PER_THREAD = 16
+
+
+def gpu_warps(elements: int, hardware: HardwareProfile,
+              values_per_thread: int = VALUES_PER_THREAD) -> int | None:
+    """Warps for a program that keeps ``elements`` values live, on a CUDA GPU: about
+    ``values_per_thread`` values a thread, from 4 to 32 warps. ``None`` elsewhere:
+    triton-ascend has no warps and the interpreter ignores them."""
     if hardware.device_type != "cuda":
         return None
-    return max(4, min(32, next_power_of_2(elements) // 512))
+    return max(4, min(32, next_power_of_2(elements) // (32 * values_per_thread)))
 
 
 def launch_options(tiling: object) -> dict[str, int]:
@@ -93,21 +98,23 @@ def wide_offsets(*tensors: Any) -> bool:
     return False
 
 
-def rows_then_looped(rows: int, cols: int, per_element: int, hardware: HardwareProfile
-                     ) -> list[Tiling]:
+def rows_then_looped(rows: int, cols: int, per_element: int, hardware: HardwareProfile,
+                     values_per_thread: int = VALUES_PER_THREAD) -> list[Tiling]:
     """Row-reduction candidates: ``rows`` (``BLOCK_M`` whole rows of ``cols`` in one
     tile), then ``looped`` (one row streamed in blocks of ``BLOCK_N``) with blocks from
     `LOOP_BLOCK` (or the hardware's tile limit) down to 16; ``per_element``: on-chip bytes
-    an element takes."""
+    an element takes; ``values_per_thread``: `gpu_warps`'."""
     block_n = next_power_of_2(max(cols, 1))
     block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
     candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
                          block_m * block_n * per_element, double_buffered=False,
-                         options={"warps": gpu_warps(block_m * block_n, hardware)})]
+                         options={"warps": gpu_warps(block_m * block_n, hardware,
+                                                     values_per_thread)})]
     block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
     while block >= 16:
         candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},
                                  block * per_element,
-                                 options={"warps": gpu_warps(block, hardware)}))
+                                 options={"warps": gpu_warps(block, hardware,
+                                                             values_per_thread)}))
         block //= 2
     return candidates
