@@ -20,8 +20,8 @@ at once, the block's logits as large as a chunk's) it recomputes the block's log
 gradient from the kept lse (``w (softmax - (1 - eps) onehot - eps / V)``, 0 on ignored
 rows) and ``grad_weight[block] = grad_logits.T @ hidden``. Each gradient element is thus
 one product, accumulated in float32 inside the matmul and rounded once, and nothing of
-size [V, H] or [N, V] is held beyond the gradients themselves: four products in all
-against the unfused pair's three.
+size [V, H] or [N, V] is held beyond the gradients themselves: five products in all (the
+logits made three times) against the unfused pair's three.
 """
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
 
 
 def _cost(backward: bool) -> object:
-    """The products' FLOPs (one forward, three backward) and the least bytes: hidden,
+    """The products' FLOPs (one forward, four backward) and the least bytes: hidden,
     weight, target (and the loss's gradient) read once, the outputs written once."""
     def cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
         tokens, hidden_size, classes = _geometry(inputs)
-        products = 3 if backward else 1
+        products = 4 if backward else 1
         moved = sum(spec.numel * spec.itemsize for spec in (*inputs, *outputs))
         return Cost(flops=products * 2 * tokens * hidden_size * classes
                     + 5 * tokens * classes, bytes_moved=moved)
@@ -170,7 +170,7 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
 
 def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            generator: torch.Generator) -> list[Case]:
-    """At the kinds' 33 x 17 shape only (each case runs four products through the
+    """At the kinds' 33 x 17 shape only (each case runs up to four products through the
     interpreter: the sweep's other shapes would add minutes to the certificate; matmul's
     and cross_entropy's own sweeps cover long and wide rows): hidden drawn from the kind,
     a normal head of 257 classes scaled by H^-1/2, targets uniform with a tenth ignored,
