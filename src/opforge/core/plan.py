@@ -251,9 +251,10 @@ class Plan:
         for index, tensor in enumerate(given):
             spec = self.outputs[index]
             _check_against(tensor, spec, self.op.name, names[index].name)
-            if not tensor.numel():
+            if not tensor.numel():  # no element to write or to overlap anything
                 out_spans.append((0, 0))
-                targets.append(tensor)
+                targets.append(tensor if tensor.is_contiguous() or self.op.strided_out
+                               else allocate(spec))
                 continue
             contiguous = tensor.is_contiguous()  # distinct elements by construction
             distinct = contiguous or _distinct_elements(tensor)

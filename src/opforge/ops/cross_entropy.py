@@ -469,16 +469,26 @@ def reference(logits: torch.Tensor, target: torch.Tensor, *, compute_dtype: torc
 @CROSS_ENTROPY_BACKWARD.reference
 def backward_reference(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
                        lse: torch.Tensor, *, compute_dtype: torch.dtype, ignore_index: int,
-                       reduction: str, label_smoothing: float) -> torch.Tensor:
-    """The gradient formula of the module docstring in ``compute_dtype``."""
-    x = logits.to(compute_dtype)
-    attrs = {"ignore_index": ignore_index, "reduction": reduction}
-    weights = _row_weights(grad.to(compute_dtype), target, attrs)
-    classes = x.shape[1]
-    hit = (torch.arange(classes, device=x.device)[None, :] == target[:, None].long())
-    slope = torch.exp(x - lse.to(compute_dtype)[:, None]) - label_smoothing / classes \
-        - (1 - label_smoothing) * hit
-    return weights[:, None] * slope
+                       reduction: str, label_smoothing: float, first_class: int = 0,
+                       classes: int | None = None) -> torch.Tensor:
+    """The gradient formula of the module docstring in ``compute_dtype``, in place on one
+    block of that dtype. ``logits`` may be a block of columns ``first_class ..`` of rows of
+    ``classes`` (the fused linear cross-entropy's blocks of classes): the one-hot term
+    where a target falls in the block, the smoothing term over all ``classes``."""
+    width = logits.shape[1]
+    classes = width if classes is None else classes
+    weights = _row_weights(grad.to(compute_dtype), target,
+                           {"ignore_index": ignore_index, "reduction": reduction})
+    slope = (logits.to(compute_dtype) - lse.to(compute_dtype)[:, None]).exp_()
+    if label_smoothing:
+        slope -= label_smoothing / classes
+    if width:
+        column = target.long() - first_class
+        inside = (column >= 0) & (column < width)
+        slope.scatter_add_(1, column.clamp(0, width - 1)[:, None],
+                           torch.where(inside, label_smoothing - 1.0, 0.0)
+                           .to(compute_dtype)[:, None])
+    return slope.mul_(weights[:, None])
 
 
 # ---------------------------------------------------------------------------------------------

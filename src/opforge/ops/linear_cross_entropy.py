@@ -380,25 +380,6 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         loss.copy_(rows.sum() / (target != attrs["ignore_index"]).sum())
 
 
-def _block_gradient(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
-                    lse: torch.Tensor, row_weights: torch.Tensor, first_class: int,
-                    classes: int, smoothing: float) -> torch.Tensor:
-    """The gradient of the loss with respect to a block of classes' logits (columns
-    ``first_class ..`` of every row), from each row's float32 lse and weight:
-    ``w (exp(x - lse) - (1 - eps) onehot - eps / V)``, 0 on the rows not ``valid``
-    (ignored), rounded once. In place on one float32 block."""
-    # float32 (lse promotes 16-bit logits), float64 for float64 logits.
-    gradient = (logits - lse[:, None]).exp_()
-    if smoothing:
-        gradient -= smoothing / classes
-    column = target.long() - first_class
-    inside = (column >= 0) & (column < logits.shape[1])
-    gradient.scatter_add_(1, column.clamp(0, logits.shape[1] - 1)[:, None],
-                          torch.where(inside, smoothing - 1.0, 0.0).to(gradient.dtype)[:, None])
-    gradient.mul_(row_weights[:, None]).masked_fill_(~valid[:, None], 0.0)
-    return gradient.to(logits.dtype)
-
-
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("torch")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
@@ -431,12 +412,15 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     if not tokens:
         grad_weight.zero_()
         return
-    row_weights = weights.expand(tokens)
+    # The block's gradient by cross_entropy's formula, in float32 (float64 for float64
+    # inputs), rounded once to the inputs' dtype.
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     for suffix, start, end in _blocks(plan, classes, "CLASS_BLOCK"):
         logits = plan.run_step("block_logits" + suffix, "matmul", hidden,
                                weight[start:end].T)
-        gradient = _block_gradient(logits, target, valid, lse, row_weights, start,
-                                   classes, attrs["label_smoothing"])
+        gradient = cross_entropy.backward_reference(
+            grad, logits, target, lse, compute_dtype=wide, first_class=start,
+            classes=classes, **attrs).to(logits.dtype)
         plan.run_step("grad_weight" + suffix, "matmul", gradient.T, hidden,
                       out=grad_weight[start:end])
         del logits, gradient
