@@ -260,6 +260,42 @@ def test_a_padded_batch_equals_each_sequence_alone():
                                        atol=2e-5)
 
 
+def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(monkeypatch):
+    """A padding-free batch (sequences of 5, 9 and 3 tokens in one row, positions restarting,
+    transformers' flash keywords) takes `opforge.attention_varlen` in every layer, and
+    each sequence's logits and loss gradients equal those of the sequence run alone."""
+    model = _tiny("llama").train()
+    opforge.patch(model)
+    varlen_calls = []
+    real = opforge.hf.attention_varlen
+
+    def counting(*args, **kwargs):
+        varlen_calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(opforge.hf, "attention_varlen", counting)
+    lengths = [5, 9, 3]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    packed = model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=9, max_length_k=9)
+    assert len(varlen_calls) == 2  # one per layer
+    packed.logits.square().sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    start = 0
+    for length in lengths:
+        alone = model(ids[:, start:start + length])
+        torch.testing.assert_close(packed.logits[:, start:start + length], alone.logits,
+                                   rtol=2e-5, atol=2e-5)
+        alone.logits.square().sum().backward()
+        start += length
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-5,
+                                   msg=name)
+
+
 def test_generation_is_unchanged_and_unpatch_restores_the_model():
     model = _tiny("llama")
     ids, attention_mask = _batch()

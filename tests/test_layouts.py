@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import opforge
+from opforge.core.errors import OpError
 from opforge.core.opdef import OpDef
 
 from .conftest import DEVICE
@@ -140,7 +141,14 @@ def test_views_equal_contiguous_copies(name, kind, backend):
         def copies() -> list[torch.Tensor | None]:
             return [None if t is None else t.clone() for t in pristine]  # noqa: B023
 
-        want, backend = _run(op, copies(), case.attrs)
+        try:
+            want, backend = _run(op, copies(), case.attrs)
+        except OpError as error:
+            # The view's values are invalid for the operator (an expanded view repeats a
+            # slice: cumulative lengths that stop growing): the view is refused alike.
+            with pytest.raises(type(error)):
+                _run(op, viewed, case.attrs)
+            continue
         storages = [None if v is None else _storage_copy(v) for v in views]
         got, _ = _run(op, viewed, case.attrs)
         problem = _difference(got, want, backend)

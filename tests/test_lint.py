@@ -101,8 +101,9 @@ def test_operator_module_order(path):
                        default=-1)
     markers = ["OpDef", "reference", *markers]
     optional = set()
-    if "from opforge.ops import _" in source:
-        optional.add("@triton.jit")  # kernels shared with other operators, in ops/_*.py
+    if "from opforge.ops import _" in source or re.search(r"\b\w+\._\w+_kernel\[", source):
+        # Kernels shared with other operators, in ops/_*.py or another operator's module.
+        optional.add("@triton.jit")
     if "run_step(" in source and "@triton.jit" not in source and "\n@jit\n" not in source:
         optional.add("@triton.jit")  # a composite: its steps' operators hold the kernels
     if "Forward only" in source:

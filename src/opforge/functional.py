@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+# Importing the operator modules registers the operators.
 import opforge.ops.attention
+import opforge.ops.attention_varlen
 import opforge.ops.broadcast_add
 import opforge.ops.embedding_dense_grad
 import opforge.ops.gelu
@@ -22,7 +24,7 @@ import opforge.ops.reduce_sum
 import opforge.ops.rms_norm
 import opforge.ops.rope
 import opforge.ops.sigmoid
-import opforge.ops.softmax  # noqa: F401 - importing the modules registers the operators
+import opforge.ops.softmax
 from opforge.core.errors import AttrError, DtypeError, ShapeError
 from opforge.core.registry import functionals
 from opforge.library import call
@@ -196,7 +198,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "hal
     return call("rope", x, cos, sin, mode)
 
 
-ATTENTION_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+ATTENTION_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
@@ -232,7 +234,9 @@ def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, return_lse: bool = False, *,
               attn_mask: torch.Tensor | None = None, layout: str = "BNSD",
-              heads: int | None = None
+              heads: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
     matrix in memory); the torch backend (the CPU development path) holds the score
@@ -260,8 +264,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         layout: ``"BNSD"`` (the shapes above), ``"BSND"`` (``(B, S, N, D)``, as Hugging
             Face models hold them), ``"BSH"`` (``(B, S, N * D)``) or ``"SBH"``
             (``(S, B, N * D)``); ``out`` comes back in the same layout. Views, no copies.
+            ``"TND"``: packed sequences ``(T, N, D)`` with ``cu_seqlens_q`` /
+            ``cu_seqlens_k``, run by `opforge.attention_varlen` (lse ``(N, T)``, no
+            ``attn_mask``).
         heads: the query head count ``N``, needed by ``"BSH"`` and ``"SBH"`` (the key and
             value heads follow from q's head dim).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the packing of ``"TND"``
+            (see `opforge.attention_varlen`).
 
     Returns:
         ``out`` (``(B, H, Sq, Dv)`` in BNSD) in q's dtype, or ``(out, lse)``.
@@ -271,11 +280,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         ShapeError: a rank that does not fit the layout, mismatched batch/lengths/head
             dims, heads not grouped, a head dim above 256, a mask that does not broadcast,
             a packed layout without ``heads``. DtypeError: q, k, v of different or
-            unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout.
+            unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout;
+            ``"TND"`` without both lengths or with a mask, lengths in another layout.
+            IndexRangeError: ``"TND"`` lengths that do not cover the tokens.
     """
     if layout not in ATTENTION_LAYOUTS:
         raise AttrError("unknown layout", op="attention", param="layout",
                         expected=" | ".join(ATTENTION_LAYOUTS), got=layout)
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed != (layout == "TND"):
+        raise AttrError("cumulative lengths go with layout TND, both of them", op="attention",
+                        param="cu_seqlens_q", expected="layout='TND' with cu_seqlens_q and "
+                        "cu_seqlens_k, or neither", got=(layout, cu_seqlens_q is not None,
+                                                         cu_seqlens_k is not None))
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None or attn_mask is not None:
+            raise AttrError("TND takes both cumulative lengths and no attn_mask",
+                            op="attention", param="attn_mask" if attn_mask is not None
+                            else "cu_seqlens_k", expected="cu_seqlens_q, cu_seqlens_k",
+                            got="a mask" if attn_mask is not None else "one length list")
+        return opforge.ops.attention_varlen.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
+            return_lse)
     if layout in ("BSH", "SBH"):
         head_dim = q.shape[-1] // heads if heads else None
         kv_heads = k.shape[-1] // head_dim if head_dim else None

@@ -42,6 +42,7 @@ import torch
 from opforge.core.errors import OpError
 from opforge.functional import (
     attention,
+    attention_varlen,
     cross_entropy,
     fused_linear_cross_entropy,
     moe_gating_top_k,
@@ -144,7 +145,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-interface signature over `opforge.attention`: ``query``
     ``(B, H, Sq, D)``, ``key``/``value`` ``(B, Hkv, Sk, D|Dv)``, ``attention_mask`` a
     boolean or additive 4-D mask or None (then the module's causal rule); returns the
-    output as ``(B, Sq, H, Dv)`` and no weights.
+    output as ``(B, Sq, H, Dv)`` and no weights. A padding-free batch (one row of packed
+    sequences with transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keywords, as its
+    flattening collator gives) runs `opforge.attention_varlen`: each sequence attends to
+    its own keys, and no ``S x S`` mask is read (the mask transformers built from the
+    packing says the same; a sliding-window module keeps the mask).
 
     Raises:
         PatchError: dropout during training, a softcap, attention sinks or a position bias
@@ -157,9 +162,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if kwargs.get(unsupported) is not None:
             raise PatchError(f"opforge attention has no {unsupported}", op="attention",
                              param=unsupported, expected=None, got="a value")
+    module_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1 \
+            and getattr(module, "sliding_window", None) is None:
+        out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
+                               cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
+                               kwargs.get("max_length_k"))
+        return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
-    causal = attention_mask is None and q_length > 1 and (
-        getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = attention_mask is None and q_length > 1 and module_causal
     if causal and kv_length > q_length:
         # Prefill of an empty static cache: the slots after the queries hold nothing yet.
         key, value = key[:, :, :q_length], value[:, :, :q_length]

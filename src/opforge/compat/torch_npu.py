@@ -25,6 +25,7 @@ from opforge.functional import (
     rope,
 )
 from opforge.library import call
+from opforge.ops.attention_varlen import attention_varlen
 from opforge.ops.swiglu import SWIGLU
 
 
@@ -286,7 +287,9 @@ def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              actual_seq_kvlen: Sequence[int] | None, sparse_mode: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         int, int, int]:
-    """TND: each sequence's rows as a batch of one (BSND views), outputs concatenated."""
+    """TND: `opforge.attention_varlen` when every sequence takes one rule it has (none, or
+    causal aligned bottom-right) and there is no pse; else each sequence's rows as a batch
+    of one (BSND views) under its own mask, outputs concatenated."""
     if actual_seq_qlen is None or actual_seq_kvlen is None or \
             len(actual_seq_qlen) != len(actual_seq_kvlen):
         raise ShapeError("TND needs actual_seq_qlen and actual_seq_kvlen of one length",
@@ -301,13 +304,26 @@ def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torc
             raise ShapeError("must be non-decreasing cumulative lengths ending at the "
                              "token count", op="npu_fusion_attention", param=name,
                              expected=f"... ending at {total}", got=ends)
+    spans = list(zip([0, *query_ends], query_ends, [0, *key_ends], key_ends, strict=False))
+    rules = [_fusion_mask(q_end - q_start, k_end - k_start, None if atten_mask is None
+                          else atten_mask[..., :q_end - q_start, :k_end - k_start],
+                          sparse_mode, pre_tockens, next_tockens, query.device)
+             for q_start, q_end, k_start, k_end in spans]
+    if pse is None and all(keep is None for keep, _ in rules) and \
+            len({causal for _, causal in rules}) <= 1:
+        out, lse = attention_varlen(
+            query, key, value, *(torch.tensor([0, *ends], dtype=torch.int32,
+                                              device=query.device)
+                                 for ends in (query_ends, key_ends)),
+            bool(rules and rules[0][1]), scale,
+            max((end - start for start, end, _, _ in spans), default=0),
+            max((end - start for _, _, start, end in spans), default=0), return_lse=True)
+        softmax_max = lse.float().transpose(0, 1)[..., None].expand(
+            *lse.shape[::-1], 8).contiguous()
+        return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
     outs, statistics = [], []
-    for q_start, q_end, k_start, k_end in zip([0, *query_ends], query_ends, [0, *key_ends],
-                                              key_ends, strict=False):
+    for (q_start, q_end, k_start, k_end), (keep, causal) in zip(spans, rules, strict=True):
         sq, sk = q_end - q_start, k_end - k_start
-        keep, causal = _fusion_mask(
-            sq, sk, None if atten_mask is None else atten_mask[..., :sq, :sk], sparse_mode,
-            pre_tockens, next_tockens, query.device)
         out, lse = attention(query[None, q_start:q_end], key[None, k_start:k_end],
                              value[None, k_start:k_end], causal, scale, True,
                              attn_mask=_with_pse(keep, None if pse is None else

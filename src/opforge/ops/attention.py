@@ -883,6 +883,18 @@ if triton is not None:
         return full_end, end
 
     @triton.jit
+    def _sequence(cu_ptr, index, total, VARLEN: tl.constexpr):
+        """(first row, rows) of sequence ``index`` of packed sequences, from the cumulative
+        lengths at ``cu_ptr`` clamped to the ``total`` rows (lengths the host did not check
+        read and write nothing out of bounds); without ``VARLEN``, all ``total`` rows."""
+        if VARLEN:
+            start = tl.minimum(tl.maximum(tl.load(cu_ptr + index), 0), total)
+            end = tl.minimum(tl.maximum(tl.load(cu_ptr + index + 1), start), total)
+            return start.to(tl.int64), end - start
+        else:
+            return 0, total
+
+    @triton.jit
     def _heavy_first(index, blocks, CAUSAL: tl.constexpr):
         """The query block that program slot ``index`` takes: with a causal mask the last
         blocks see the most keys, so they go first and the light ones fill the tail of
@@ -1021,15 +1033,16 @@ if triton is not None:
 
     @triton.jit
     def _attention_forward_kernel(
-            q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr, Sq, Sk, H, GROUP, head_offset,
-            heads, keys_per_split, qk_scale, stride_qb, stride_qh, stride_qm, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
-            stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, Sq, Sk, H,
+            GROUP, head_offset, heads, keys_per_split, qk_scale, stride_qb, stride_qh,
+            stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+            stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
+            MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
             EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, FOLD_SCALE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr):
+            VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_M`` rows and one slice of the keys (``program_id(2)``; one
         slice holding every key unless the keys are split): out and lse of the slice, into
         ``out``/``lse`` or, split, into the float32 partials of slice ``program_id(2)``
@@ -1037,7 +1050,9 @@ if triton is not None:
         rows are the queries of one head, or with ``PACK`` > 1 (GQA decoding) the queries
         of ``PACK`` heads that share a key/value head, query-major (row ``r``: query
         ``r // PACK`` of head ``r % PACK`` of the group): each key block is then read once
-        for all of them."""
+        for all of them. With ``VARLEN`` the batch entries are packed sequences (rows
+        ``cu[b]`` to ``cu[b + 1]`` of ``[T, H, D]`` tensors, batch strides 0): out is
+        written ``[T, H, DV]`` and lse ``[H, T]``."""
         if EXACT_HEAD:
             # The blocks are as wide as the heads: head widths as constants fold the
             # column masks away (fewer registers: the pointer kernels spill less).
@@ -1047,10 +1062,16 @@ if triton is not None:
         group_index = (tl.program_id(1) + head_offset).to(tl.int64)
         batch = group_index // (H // PACK)
         first_head = (group_index % (H // PACK)) * PACK
+        total_q = Sq
+        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
+        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
         split_start = tl.program_id(2) * keys_per_split
         split_end = split_start + keys_per_split
-        k_base = k_ptr + batch * stride_kb + (first_head // GROUP) * stride_kh
-        v_base = v_ptr + batch * stride_vb + (first_head // GROUP) * stride_vh
+        q_base = q_ptr + batch * stride_qb + q_start * stride_qm
+        k_base = k_ptr + batch * stride_kb + k_start * stride_kn \
+            + (first_head // GROUP) * stride_kh
+        v_base = v_ptr + batch * stride_vb + k_start * stride_vn \
+            + (first_head // GROUP) * stride_vh
         k_desc, v_desc = descriptor_pair(k_base, Sk, D, stride_kn, v_base, Sk, DV, stride_vn,
                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_N, BLOCK_DV)
         # Output rows: head slot (slice, batch, head), then query.
@@ -1068,9 +1089,9 @@ if triton is not None:
             queries = rows // PACK
             members = rows % PACK
             row_mask = rows < Sq * PACK
-            q = dot_operand(q_ptr + batch * stride_qb + (first_head + members)[:, None]
-                            * stride_qh + queries[:, None] * stride_qm + dims[None, :]
-                            * stride_qd, row_mask[:, None] & (dims < D)[None, :], UPCAST)
+            q = dot_operand(q_base + (first_head + members)[:, None] * stride_qh
+                            + queries[:, None] * stride_qm + dims[None, :] * stride_qd,
+                            row_mask[:, None] & (dims < D)[None, :], UPCAST)
             mask_rows = mask_ptr + batch * stride_mb + (first_head + members) * stride_mh \
                 + queries * stride_mm
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1098,11 +1119,16 @@ if triton is not None:
             seen = l_i != 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, NEG_INF)
-            out_rows = (slot_base + members) * Sq + queries
+            if VARLEN:
+                out_rows = (q_start + queries) * H + first_head + members
+                lse_rows = (first_head + members) * total_q + q_start + queries
+            else:
+                out_rows = (slot_base + members) * Sq + queries
+                lse_rows = out_rows
             out_ptrs = out_ptr + out_rows[:, None] * DV + value_dims[None, :]
             out_mask = row_mask[:, None] & (value_dims < DV)[None, :]
             tl.store(out_ptrs, rounded_for(out, out_ptr), mask=out_mask)
-            tl.store(lse_ptr + out_rows, rounded_for(lse, lse_ptr), mask=row_mask)
+            tl.store(lse_ptr + lse_rows, rounded_for(lse, lse_ptr), mask=row_mask)
 
     @triton.jit
     def _attention_merge_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, R, SPLITS,
@@ -1169,18 +1195,19 @@ if triton is not None:
     @triton.jit
     def _attention_query_side_kernel(
             dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, grad_lse_ptr, delta_ptr, dq_ptr,
-            mask_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
+            mask_ptr, cu_q_ptr, cu_k_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, stride_mb,
             stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, EXACT_HEAD: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr):
+            VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
         side), then dQ, the keys and values streamed (by tensor descriptor when
-        ``DESCRIPTORS``)."""
+        ``DESCRIPTORS``). With ``VARLEN`` (packed sequences, as in the forward) the
+        statistics are ``[H, T]`` and dq ``[T, H, D]``."""
         if EXACT_HEAD:
             # The blocks are as wide as the heads: head widths as constants fold the
             # column masks away (fewer registers: the pointer kernels spill less).
@@ -1188,11 +1215,14 @@ if triton is not None:
             DV = BLOCK_DV
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, h = head // H, head % H
-        q_base = q_ptr + batch * stride_qb + h * stride_qh
-        dout_base = dout_ptr + batch * stride_db + h * stride_dh
-        out_base = out_ptr + batch * stride_ob + h * stride_oh
-        k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh
-        v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh
+        total_q = Sq
+        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
+        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
+        q_base = q_ptr + batch * stride_qb + h * stride_qh + q_start * stride_qm
+        dout_base = dout_ptr + batch * stride_db + h * stride_dh + q_start * stride_dm
+        out_base = out_ptr + batch * stride_ob + h * stride_oh + q_start * stride_om
+        k_base = k_ptr + batch * stride_kb + (h // GROUP) * stride_kh + k_start * stride_kn
+        v_base = v_ptr + batch * stride_vb + (h // GROUP) * stride_vh + k_start * stride_vn
         k_desc, v_desc = descriptor_pair(k_base, Sk, D, stride_kn, v_base, Sk, DV, stride_vn,
                                          DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_N, BLOCK_DV)
         offset = Sk - Sq
@@ -1215,7 +1245,10 @@ if triton is not None:
             out = widen(tl.load(out_base + rows[:, None] * stride_om
                                 + value_dims[None, :] * stride_od, mask=v_mask, other=0.0))
             delta = tl.sum(widen(dout) * out, 1)
-            statistics = head * Sq + rows
+            if VARLEN:
+                statistics = h * total_q + q_start + rows
+            else:
+                statistics = head * Sq + rows
             if HAS_GRAD_LSE:
                 delta -= tl.load(grad_lse_ptr + statistics, mask=row_mask)  # float32 statistic
             tl.store(delta_ptr + statistics, delta, mask=row_mask)  # float32 statistic
@@ -1237,7 +1270,10 @@ if triton is not None:
                                   end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
                                   stride_mn, MASK, CAUSAL, True,
                                   UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
-            dq_ptrs = dq_ptr + head * Sq * D + rows[:, None] * D + dims[None, :]
+            if VARLEN:
+                dq_ptrs = dq_ptr + ((q_start + rows)[:, None] * H + h) * D + dims[None, :]
+            else:
+                dq_ptrs = dq_ptr + head * Sq * D + rows[:, None] * D + dims[None, :]
             tl.store(dq_ptrs, rounded_for(dq * scale, dq_ptr), mask=q_mask)
 
     @triton.jit
@@ -1282,19 +1318,20 @@ if triton is not None:
 
     @triton.jit
     def _attention_key_side_kernel(
-            dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr, Sq,
-            Sk, H, HKV, GROUP, head_offset, qk_scale, scale,
+            dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+            cu_q_ptr, cu_k_ptr, Sq, Sk, H, HKV, GROUP, head_offset, qk_scale, scale,
             stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
-            EXACT_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            EXACT_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_K`` keys of one key/value head: dK and dV summed over the
         ``BLOCK_Q`` query blocks of every query head in its group, in a fixed order, the
         queries and their output gradients streamed (by tensor descriptor when
-        ``DESCRIPTORS``)."""
+        ``DESCRIPTORS``). With ``VARLEN`` (packed sequences, as in the forward) dk and dv
+        are ``[T, HKV, D]``."""
         if EXACT_HEAD:
             # The blocks are as wide as the heads: head widths as constants fold the
             # column masks away (fewer registers: the pointer kernels spill less).
@@ -1302,8 +1339,11 @@ if triton is not None:
             DV = BLOCK_DV
         kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, hkv = kv_head // HKV, kv_head % HKV
-        k_base = k_ptr + batch * stride_kb + hkv * stride_kh
-        v_base = v_ptr + batch * stride_vb + hkv * stride_vh
+        total_q = Sq
+        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
+        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
+        k_base = k_ptr + batch * stride_kb + hkv * stride_kh + k_start * stride_kn
+        v_base = v_ptr + batch * stride_vb + hkv * stride_vh + k_start * stride_vn
         offset = Sk - Sq
         dims = tl.arange(0, BLOCK_D)
         value_dims = tl.arange(0, BLOCK_DV)
@@ -1330,32 +1370,41 @@ if triton is not None:
                     * BLOCK_Q, Sq)
                 full_start = tl.maximum(full_start, start)
             for g in range(0, GROUP):
-                head = batch * H + hkv * GROUP + g
-                q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh
-                dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh
+                if VARLEN:
+                    statistics = (hkv * GROUP + g) * total_q + q_start
+                else:
+                    statistics = (batch * H + hkv * GROUP + g) * Sq
+                q_base = q_ptr + batch * stride_qb + (hkv * GROUP + g) * stride_qh \
+                    + q_start * stride_qm
+                dout_base = dout_ptr + batch * stride_db + (hkv * GROUP + g) * stride_dh \
+                    + q_start * stride_dm
                 mask_base = mask_ptr + batch * stride_mb + (hkv * GROUP + g) * stride_mh
                 q_desc, dout_desc = descriptor_pair(q_base, Sq, D, stride_qm, dout_base, Sq, DV,
                                                     stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                                     BLOCK_Q, BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
-                                           dout_desc, lse_ptr + head * Sq,
-                                           delta_ptr + head * Sq, stride_qm, stride_qd,
+                                           dout_desc, lse_ptr + statistics,
+                                           delta_ptr + statistics, stride_qm, stride_qd,
                                            stride_dm, stride_dd, cols, start, full_start, Sq,
                                            Sk, offset, D, DV, qk_scale, q_ptr, mask_base,
                                            stride_mm, stride_mn, MASK, CAUSAL, True,
                                            UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                            BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
-                                           dout_desc, lse_ptr + head * Sq,
-                                           delta_ptr + head * Sq, stride_qm, stride_qd,
+                                           dout_desc, lse_ptr + statistics,
+                                           delta_ptr + statistics, stride_qm, stride_qd,
                                            stride_dm, stride_dd, cols, full_start, Sq, Sq, Sk,
                                            offset, D, DV, qk_scale, q_ptr, mask_base,
                                            stride_mm, stride_mn, MASK, CAUSAL, False,
                                            UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                            BLOCK_DV)
-            dk_ptrs = dk_ptr + kv_head * Sk * D + cols[:, None] * D + dims[None, :]
+            if VARLEN:
+                key_rows = (k_start + cols) * HKV + hkv
+            else:
+                key_rows = kv_head * Sk + cols
+            dk_ptrs = dk_ptr + key_rows[:, None] * D + dims[None, :]
             tl.store(dk_ptrs, rounded_for(dk * scale, dk_ptr), mask=k_mask)
-            dv_ptrs = dv_ptr + kv_head * Sk * DV + cols[:, None] * DV + value_dims[None, :]
+            dv_ptrs = dv_ptr + key_rows[:, None] * DV + value_dims[None, :]
             tl.store(dv_ptrs, rounded_for(dv, dv_ptr), mask=v_mask)
 
 
@@ -1441,11 +1490,11 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     pack = _pack(plan.tiling, h, hkv)
     for first, count in _head_chunks(b * h // pack):
         _attention_forward_kernel[(plan.grid[0], count, splits)](
-            q, k, v, mask, *targets, sq, sk, h, h // hkv, first, b * h, keys_per_split,
+            q, k, v, mask, *targets, q, q, sq, sk, h, h // hkv, first, b * h, keys_per_split,
             qk_scale, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
             MASK=mask_kind, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
             EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
-            FOLD_SCALE=qk_scale > 0 and mask_kind == 0, **options)
+            FOLD_SCALE=qk_scale > 0 and mask_kind == 0, VARLEN=False, **options)
     if splits > 1:
         # Warps for the merge's float32 tiles (4 spill them at Dv = 128 on sm_90).
         warps = gpu_warps(MERGE_ROWS * options["BLOCK_DV"], plan.hardware)
@@ -1487,15 +1536,16 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
-            mask, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(),
+            mask, q, q, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(),
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, d, dv,
-            MASK=mask_kind, HAS_GRAD_LSE=grad_lse is not None, **query_side)
+            MASK=mask_kind, HAS_GRAD_LSE=grad_lse is not None, VARLEN=False, **query_side)
     key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
-            dout, q, k, v, lse, delta, grad_k, grad_v, mask, sq, sk, h, hkv, h // hkv, first,
+            dout, q, k, v, lse, delta, grad_k, grad_v, mask, q, q, sq, sk, h, hkv, h // hkv,
+            first,
             scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(),
-            *mask_strides, d, dv, MASK=mask_kind, **key_side)
+            *mask_strides, d, dv, MASK=mask_kind, VARLEN=False, **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
