@@ -464,6 +464,69 @@ def attention_rows(device: torch.device, warmup_ms: int, rep_ms: int,
             yield (_error_row("time", "attention", shape, "bf16", "opforge", error))
 
 
+# Packed sequences: lengths of a padding-free training batch (8192 tokens), heads, D.
+PACKED_LENGTHS = (2048, 1500, 1200, 1000, 900, 700, 450, 250, 100, 44)
+PACKED_HEADS = (32, 8, 128)
+
+
+def packed_attention_rows(device: torch.device, warmup_ms: int, rep_ms: int
+                          ) -> Iterator[Row]:
+    """bf16 causal attention over packed sequences of `PACKED_LENGTHS`, forward and
+    forward + backward: ``opforge.attention_varlen`` against the same sequences one call
+    each (SDPA's FlashAttention backend, and opforge's dense attention), after a check of
+    out and the gradients against SDPA's. TFLOP/s of the sequences' own causal work."""
+    h, hkv, d = PACKED_HEADS
+    lengths = PACKED_LENGTHS
+    shape = f"T{sum(lengths)} ({len(lengths)} sequences) H{h}/{hkv} D{d} causal"
+    try:
+        generator = torch.Generator(device=device).manual_seed(5)
+        leaves = [torch.randn(sum(lengths), heads, d, generator=generator, device=device,
+                              dtype=torch.bfloat16).requires_grad_()
+                  for heads in (h, hkv, hkv)]
+        upstream = torch.randn_like(leaves[0])
+        ends = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+        bounds = list(itertools.pairwise([0, *itertools.accumulate(lengths)]))
+
+        def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return opforge.attention_varlen(q, k, v, ends, ends, True, None, max(lengths),
+                                            max(lengths))
+
+        def one_by_one(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return torch.cat([call(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                       True)[0].transpose(0, 1) for a, b in bounds])
+            return run
+
+        impls = (("SDPA flash per sequence", one_by_one(_sdpa_backend(SDPBackend.FLASH_ATTENTION))),
+                 ("opforge varlen", varlen),
+                 ("opforge per sequence", one_by_one(_opforge_attention)))
+        results = [(call(*leaves), torch.autograd.grad(call(*leaves), leaves, upstream))
+                   for _, call in impls[:2]]
+        (theirs, their_grads), (ours, ours_grads) = results
+        worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
+                    for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
+        yield Row("check", "attention_varlen", shape, "bf16", "opforge vs SDPA (out, dq, dk, "
+                  "dv)", max_abs_diff=worst, status="ok" if worst <= 2e-2 else "FAIL",
+                  detail="max |diff| / max |SDPA|, bound 2e-2")
+        flops = sum(2 * h * n * n * d for n in lengths)
+        for mode, work in (("fwd", flops), ("fwd+bwd", 3.5 * flops)):
+            reference_us = None
+            for impl, call in impls:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        us = bench_us(functools.partial(call, *leaves), warmup_ms, rep_ms)
+                else:
+                    us = bench_us(lambda call=call: torch.autograd.grad(
+                        call(*leaves), leaves, upstream), warmup_ms, rep_ms)
+                reference_us = reference_us or us
+                yield Row("time", f"attention_varlen {mode}", shape, "bf16", impl, us, None,
+                          work / (us * 1e-6) / 1e12, reference_us / us,
+                          detail="TFLOP/s; ratio to SDPA flash per sequence")
+        torch.cuda.empty_cache()
+    except Exception as error:  # reported; the other rows still run
+        yield _error_row("time", "attention_varlen", shape, "bf16", "opforge", error)
+
+
 # DeepSeek-V3's MLA sizes: He, Hcq, Hckv, N, D, Dr; token counts (decode, prefill).
 MLA_SIZES = {"he": 7168, "hcq": 1536, "hckv": 512, "n": 128, "d": 128, "dr": 64}
 MLA_TOKENS = (16, 1024)
@@ -940,6 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_attention:
         parts += [attention_rows(device, args.warmup_ms, args.rep_ms,
                                  ATTENTION_SHAPES[:1] if args.targets else ATTENTION_SHAPES),
+                  packed_attention_rows(device, args.warmup_ms, args.rep_ms),
                   mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms)]
         if not args.targets:
             parts.append(routing_rows(device, not args.no_compile, args.warmup_ms,
