@@ -41,8 +41,8 @@ def test_samples_match_the_golden(op, dtype, backend):
 @pytest.mark.parametrize("causal", [False, True])
 def test_odd_lengths_forward_and_backward_in_bf16(causal, backend):
     """Sequences of 1, 0, 63 and 130 queries over 1, 5, 63 and 97 keys (GQA 4 over 2),
-    bf16 (outputs poisoned, as in every test): the forward, then the backward from the forward's own out and
-    lse, against the float64 golden."""
+    bf16 (outputs poisoned, as in every test): the forward, then the backward from the
+    forward's own out and lse, against the float64 golden."""
     lengths, key_lengths = [1, 0, 63, 130], [1, 5, 63, 97]
     q, k, v = _packed(lengths, key_lengths, dtype=torch.bfloat16, seed=3)
     cu_q, cu_k = cumulative(lengths, DEVICE), cumulative(key_lengths, DEVICE)

@@ -190,22 +190,25 @@ def _rope_function(mode: str) -> Callable:
     return apply
 
 
-def _causal_loss(loss_of: Callable[[torch.Tensor, str], torch.Tensor], labels: torch.Tensor,
+def _causal_loss(loss_of: Callable[[torch.Tensor], torch.Tensor], labels: torch.Tensor,
                  device: torch.device, num_items_in_batch: torch.Tensor | int | None,
                  ignore_index: int, shift_labels: torch.Tensor | None) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` rule around ``loss_of(targets, reduction)``:
-    labels shifted left by one (unless ``shift_labels`` is given), the mean over
-    non-ignored tokens, or the sum divided by ``num_items_in_batch`` when given."""
+    """transformers' ``ForCausalLMLoss`` rule around ``loss_of(targets)``, the tokens'
+    losses: labels shifted left by one (unless ``shift_labels`` is given), the mean over
+    non-ignored tokens, or the sum divided by ``num_items_in_batch`` when given, in float32
+    (float64 for a float64 model) as transformers' (it upcasts the logits): a 16-bit loss
+    would move in steps of 2^-6 near 3, what a training log shows."""
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
     targets = shift_labels.reshape(-1).to(device)
+    rows = loss_of(targets)
+    total = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32).sum()
     if num_items_in_batch is None:
-        return loss_of(targets, "mean")
-    loss = loss_of(targets, "sum")
+        return total / (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
@@ -213,11 +216,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                    **kwargs: object) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` over `opforge.cross_entropy` (see `_causal_loss`):
-    a scalar in the logits' dtype."""
+    a float32 scalar (float64 for float64 logits)."""
     rows = logits.reshape(-1, vocab_size)
     return _causal_loss(
-        lambda targets, reduction: cross_entropy(rows, targets, ignore_index=ignore_index,
-                                                 reduction=reduction),
+        lambda targets: cross_entropy(rows, targets, ignore_index=ignore_index,
+                                      reduction="none"),
         labels, logits.device, num_items_in_batch, ignore_index, shift_labels)
 
 
@@ -229,15 +232,16 @@ def fused_causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor,
     """`causal_lm_loss` of ``hidden_states @ weight.T`` (``hidden_states`` ``(B, S, H)``,
     the output head's ``weight`` ``(V, H)``) by `opforge.fused_linear_cross_entropy`:
     the logits are never made. Under autocast both run in its dtype, as the head would.
-    A scalar in that dtype."""
+    A float32 scalar (float64 for a float64 model)."""
     device = hidden_states.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
         else weight.dtype
     rows = hidden_states.reshape(-1, hidden_states.shape[-1]).to(dtype)
     head = weight.to(dtype)
     return _causal_loss(
-        lambda targets, reduction: fused_linear_cross_entropy(
-            rows, head, targets, ignore_index=ignore_index, reduction=reduction),
+        lambda targets: fused_linear_cross_entropy(rows, head, targets,
+                                                   ignore_index=ignore_index,
+                                                   reduction="none"),
         labels, device, num_items_in_batch, ignore_index, shift_labels)
 
 
