@@ -95,8 +95,9 @@ def test_each_sequence_equals_attention_on_it_alone(causal, backend):
 
 
 def test_int64_lengths_and_derived_longest_sequence(backend):
-    """int64 lengths (as torch's cumsum gives) work as int32 ones, and the longest
-    sequence read from them sizes the grid like the given one."""
+    """int64 lengths (as torch's cumsum gives) work as int32 ones (a value past int32's
+    range is refused, not wrapped), and the longest sequence read from them sizes the grid
+    like the given one."""
     lengths = [9, 33, 2]
     q, k, v = _packed(lengths, lengths, seed=7)
     given = opforge.attention_varlen(q, k, v, cumulative(lengths, DEVICE),
@@ -107,6 +108,9 @@ def test_int64_lengths_and_derived_longest_sequence(backend):
     plan = opforge.plan(VARLEN, q, k, v, cumulative(lengths, DEVICE),
                         cumulative(lengths, DEVICE), causal=True, max_seqlen_q=33)
     assert plan.grid[1] == 3 * 4
+    beyond = torch.tensor([0, 9, 42, 2**32 + 44], device=DEVICE)
+    with pytest.raises(opforge.IndexRangeError):
+        opforge.attention_varlen(q, k, v, beyond, wide)
 
 
 @pytest.mark.parametrize("ends, message", [
@@ -144,6 +148,12 @@ def test_bad_arguments_get_typed_errors(change, error, param, backend):
 def test_tnd_layout_arguments_are_checked():
     q, k, v = _packed([4, 6], [4, 6])
     cu = cumulative([4, 6], DEVICE)
+    with pytest.raises(opforge.AttrError, match="TND") as caught:
+        opforge.attention(q[None], k[None], v[None], max_seqlen_q=6)
+    assert caught.value.param == "max_seqlen_q"
+    with pytest.raises(opforge.AttrError, match="TND") as caught:
+        opforge.attention(q, k, v, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, heads=4)
+    assert caught.value.param == "heads"
     with pytest.raises(opforge.AttrError, match="TND"):
         opforge.attention(q, k, v, layout="TND")
     with pytest.raises(opforge.AttrError, match="TND"):
@@ -153,26 +163,64 @@ def test_tnd_layout_arguments_are_checked():
                           attn_mask=torch.ones(10, 10, dtype=torch.bool, device=DEVICE))
 
 
-def test_device_side_checks_clamp_bad_lengths_to_the_tokens(backend):
-    """Inside `opforge.device_side_checks` the lengths are not read on the host: lengths
-    past the tokens touch no memory outside the tensors (the kernels clamp them), and
-    what they cover is computed as for the clamped lengths."""
-    q, k, v = _packed([6, 6], [6, 6])
-    clamped = cumulative([6, 6], DEVICE)
-    beyond = torch.tensor([0, 6, 4096], dtype=torch.int32, device=DEVICE)
+@pytest.mark.parametrize("ends, clamped_ends", [
+    ([0, 6, 4096], [0, 6, 12]),     # past the tokens
+    ([0, -3, 12], [0, 0, 12]),      # a negative length: an empty first sequence
+    ([0, 4], [0, 4]),               # rows 4.. in no sequence
+])
+def test_device_side_checks_clamp_bad_lengths_to_the_tokens(ends, clamped_ends, backend):
+    """Inside `opforge.device_side_checks` the lengths are not read on the host: both
+    backends clamp each sequence to the tokens there are (no memory outside the tensors is
+    touched), compute it as for the clamped lengths, and give rows no sequence holds 0,
+    lse -inf and no gradient."""
+    q, k, v = (t.requires_grad_() for t in _packed([6, 6], [6, 6]))
+    bad = torch.tensor(ends, dtype=torch.int32, device=DEVICE)
     with opforge.device_side_checks():
-        out = opforge.attention_varlen(q, k, v, beyond, beyond, False, None, 6, 6)
-    expected = opforge.attention_varlen(q, k, v, clamped, clamped, False, None, 6, 6)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out, lse = opforge.attention_varlen(q, k, v, bad, bad, True, None, 12, 12,
+                                            return_lse=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    covered = clamped_ends[-1]
+    clamped = torch.tensor(clamped_ends, dtype=torch.int32, device=DEVICE)
+    expected, expected_lse = opforge.attention_varlen(
+        q[:covered], k[:covered], v[:covered], clamped, clamped, True, None, 12, 12,
+        return_lse=True)
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    torch.testing.assert_close(out[:covered], expected, rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, :covered], expected_lse, rtol=0, atol=0)
+    assert (out[covered:] == 0).all() and (lse[:, covered:] == -torch.inf).all()
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
 
-def test_under_torch_compile_fullgraph():
+def test_a_sequence_past_2_to_the_31_elements_takes_wide_offsets(backend):
+    """Keys whose rows lie 2^22 elements apart (a view of 4 GiB of address space, never
+    written but for the rows): one sequence of 600 keys spans more than 2^31 elements,
+    and the kernels' offsets take 64 bits; the result is that of a contiguous copy."""
+    length, dim, stride = 600, 16, 1 << 22
+    generator = torch.Generator().manual_seed(13)
+    buffer = torch.empty((length - 1) * stride + dim, dtype=torch.float16, device=DEVICE)
+    k = buffer.as_strided((length, 1, dim), (stride, dim, 1))
+    k.copy_(torch.randn(length, 1, dim, generator=generator))
+    q, v = (torch.randn(length, 1, dim, generator=generator).to(DEVICE, torch.float16)
+            for _ in range(2))
+    cu = cumulative([length], DEVICE)
+    strided = opforge.attention_varlen(q, k, v, cu, cu, False, None, length, length)
+    copied = opforge.attention_varlen(q, k.contiguous(), v, cu, cu, False, None, length,
+                                      length)
+    torch.testing.assert_close(strided, copied, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("longest", [11, None])
+def test_under_torch_compile_fullgraph(longest):
+    """Compiled with the longest sequence given, or not (then no host read: the tiles are
+    sized for all tokens), the gradients equal eager ones."""
     lengths = [5, 11]
     q, k, v = (t.requires_grad_() for t in _packed(lengths, lengths, seed=9))
     cu = cumulative(lengths, DEVICE)
 
     def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return opforge.attention_varlen(q, k, v, cu, cu, True, None, 11, 11).square().sum()
+        return opforge.attention_varlen(q, k, v, cu, cu, True, None, longest,
+                                        longest).square().sum()
 
     eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))

@@ -41,8 +41,8 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
             **overrides})
     elif kind == "mistral":  # a sliding window shorter than the batch's sequences
-        config = transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=4,
-                                            **overrides)
+        config = transformers.MistralConfig(**{**common, "num_key_value_heads": 2,
+                                               "sliding_window": 4, **overrides})
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common, num_key_value_heads=2, **overrides)
     elif kind == "qwen3":
@@ -263,11 +263,14 @@ def test_a_padded_batch_equals_each_sequence_alone():
                                        atol=2e-5)
 
 
-def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kind,
+                                                                             monkeypatch):
     """A padding-free batch (sequences of 5, 9 and 3 tokens in one row, positions restarting,
-    transformers' flash keywords) takes `opforge.attention_varlen` in every layer, and
-    each sequence's logits and loss gradients equal those of the sequence run alone."""
-    model = _tiny("llama").train()
+    transformers' flash keywords) takes `opforge.attention_varlen` in every layer (Mistral
+    too, its sliding window as long as the longest sequence), and each sequence's logits
+    and loss gradients equal those of the sequence run alone."""
+    model = _tiny(kind, **({"sliding_window": 9} if kind == "mistral" else {})).train()
     opforge.patch(model)
     varlen_calls = []
     real = opforge.hf.attention_varlen
@@ -297,6 +300,20 @@ def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(mon
     for name, p in model.named_parameters():
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-5,
                                    msg=name)
+
+
+def test_a_packed_batch_longer_than_the_sliding_window_is_refused():
+    """Packed sequences longer than Mistral's window of 4: the varlen kernels have no
+    window (and transformers' mask for such a batch joins the sequences): a typed error,
+    not a silently different attention."""
+    model = _tiny("mistral")
+    opforge.patch(model)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    with pytest.raises(opforge.hf.PatchError, match="sliding window") as caught:
+        model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert caught.value.param == "sliding_window"
 
 
 def test_generation_is_unchanged_and_unpatch_restores_the_model():

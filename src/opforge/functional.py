@@ -281,24 +281,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             dims, heads not grouped, a head dim above 256, a mask that does not broadcast,
             a packed layout without ``heads``. DtypeError: q, k, v of different or
             unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout;
-            ``"TND"`` without both lengths or with a mask, lengths in another layout.
+            ``"TND"`` without both lengths or with a mask or ``heads``; packing arguments
+            in another layout.
             IndexRangeError: ``"TND"`` lengths that do not cover the tokens.
     """
     if layout not in ATTENTION_LAYOUTS:
         raise AttrError("unknown layout", op="attention", param="layout",
                         expected=" | ".join(ATTENTION_LAYOUTS), got=layout)
-    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if packed != (layout == "TND"):
-        raise AttrError("cumulative lengths go with layout TND, both of them", op="attention",
-                        param="cu_seqlens_q", expected="layout='TND' with cu_seqlens_q and "
-                        "cu_seqlens_k, or neither", got=(layout, cu_seqlens_q is not None,
-                                                         cu_seqlens_k is not None))
-    if packed:
-        if cu_seqlens_q is None or cu_seqlens_k is None or attn_mask is not None:
-            raise AttrError("TND takes both cumulative lengths and no attn_mask",
-                            op="attention", param="attn_mask" if attn_mask is not None
-                            else "cu_seqlens_k", expected="cu_seqlens_q, cu_seqlens_k",
-                            got="a mask" if attn_mask is not None else "one length list")
+    packing = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+               "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    if layout != "TND":
+        given = next((name for name, value in packing.items() if value is not None), None)
+        if given is not None:
+            raise AttrError("belongs to layout TND (packed sequences)", op="attention",
+                            param=given, expected="layout='TND'", got=layout)
+    else:
+        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                            ("attn_mask", attn_mask), ("heads", heads)):
+            if (value is None) == name.startswith("cu_"):
+                raise AttrError("TND takes both cumulative lengths, and no attn_mask or "
+                                "heads", op="attention", param=name,
+                                expected="a tensor" if name.startswith("cu_") else None,
+                                got=None if value is None else type(value).__name__)
         return opforge.ops.attention_varlen.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
             return_lse)

@@ -148,12 +148,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     output as ``(B, Sq, H, Dv)`` and no weights. A padding-free batch (one row of packed
     sequences with transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keywords, as its
     flattening collator gives) runs `opforge.attention_varlen`: each sequence attends to
-    its own keys, and no ``S x S`` mask is read (the mask transformers built from the
-    packing says the same; a sliding-window module keeps the mask).
+    its own keys only, and no ``S x S`` mask is read.
 
     Raises:
         PatchError: dropout during training, a softcap, attention sinks or a position bias
-            (opforge's attention has none of them).
+            (opforge's attention has none of them); a padding-free batch with a sliding
+            window shorter than its longest sequence (the varlen kernels have no window,
+            and the mask transformers builds there does not separate the sequences).
     """
     if dropout:
         raise PatchError("opforge attention has no dropout", op="attention", param="dropout",
@@ -164,11 +165,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                              param=unsupported, expected=None, got="a value")
     module_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and query.shape[0] == 1 \
-            and getattr(module, "sliding_window", None) is None:
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        longest = kwargs.get("max_length_k")
+        if window is not None:
+            longest = int((cu_k[1:] - cu_k[:-1]).max()) if longest is None else longest
+            if longest > window:
+                raise PatchError("a padding-free batch with a sliding window shorter than "
+                                 "its sequences: opforge's varlen attention has no window",
+                                 op="attention", param="sliding_window",
+                                 expected=f"sequences of at most {window} tokens, or a "
+                                          "padded batch", got=f"{longest} tokens")
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
-                               kwargs.get("max_length_k"))
+                               longest)
         return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_length > 1 and module_causal

@@ -888,9 +888,12 @@ if triton is not None:
         lengths at ``cu_ptr`` clamped to the ``total`` rows (lengths the host did not check
         read and write nothing out of bounds); without ``VARLEN``, all ``total`` rows."""
         if VARLEN:
-            start = tl.minimum(tl.maximum(tl.load(cu_ptr + index), 0), total)
-            end = tl.minimum(tl.maximum(tl.load(cu_ptr + index + 1), start), total)
-            return start.to(tl.int64), end - start
+            # Clamped in the lengths' own dtype (int32 or int64), then narrowed.
+            first = tl.load(cu_ptr + index)  # integer index
+            last = tl.load(cu_ptr + index + 1)  # integer index
+            start = tl.minimum(tl.maximum(first, 0), total)
+            end = tl.minimum(tl.maximum(last, start), total)
+            return start.to(tl.int64), (end - start).to(tl.int32)
         else:
             return 0, total
 
@@ -936,6 +939,7 @@ if triton is not None:
     @triton.jit
     def _rows_block(base, desc, first, stride_row, stride_col, limit, width,
                     TRANSPOSED: tl.constexpr, DESCRIPTORS: tl.constexpr, UPCAST: tl.constexpr,
+                    WIDE: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
         """Rows [first, first + BLOCK_ROWS) x BLOCK_COLS columns of a ``limit x width``
         matrix as a dot operand, ``[BLOCK_ROWS, BLOCK_COLS]`` or ``TRANSPOSED``: by tensor
@@ -949,6 +953,10 @@ if triton is not None:
                 block = tl.trans(block)
         else:
             rows = first + tl.arange(0, BLOCK_ROWS)
+            if WIDE:
+                # Beyond 2^31 elements (a long sequence of packed rows H x D apart, a view
+                # of long strides) the rows' offsets take 64 bits.
+                rows = rows.to(tl.int64)
             cols = tl.arange(0, BLOCK_COLS)
             if TRANSPOSED:
                 block = dot_operand(base + rows[None, :] * stride_row + cols[:, None]
@@ -965,7 +973,7 @@ if triton is not None:
                       stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV,
                       qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
                       CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, FOLD_SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """One key block of the online softmax: scores in the log2 domain (scale * log2(e)
@@ -976,9 +984,9 @@ if triton is not None:
         unit that bounds the loop beside the tensor cores (a ``MASK``, added to the scaled
         scores, rules the fold out)."""
         keys_t = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, True,
-                             DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
+                             DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_D)
         values = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV, False,
-                             DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
+                             DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_DV)
         scores = tl.dot(q, keys_t, input_precision=PRECISION)
         if FOLD_SCALE:
             fold = qk_scale
@@ -1007,7 +1015,7 @@ if triton is not None:
                       stride_kd, stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV,
                       qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
                       CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                       FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr):
@@ -1021,14 +1029,14 @@ if triton is not None:
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
                     mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
-                    DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
                     mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
-                    DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
     @triton.jit
@@ -1107,13 +1115,15 @@ if triton is not None:
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           split_start, full_end, Sk, offset, D, DV, qk_scale,
                                           mask_rows, row_mask, stride_mn, MASK, CAUSAL, False,
-                                          UPCAST, PRECISION, DESCRIPTORS, WARP_SPECIALIZE,
+                                          UPCAST, PRECISION, WIDE, DESCRIPTORS,
+                                          WARP_SPECIALIZE,
                                           FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
                                           masked_start, end, Sk, offset, D, DV, qk_scale,
                                           mask_rows, row_mask, stride_mn, MASK, CAUSAL, True,
-                                          UPCAST, PRECISION, DESCRIPTORS, False, FOLD_SCALE,
+                                          UPCAST, PRECISION, WIDE, DESCRIPTORS, False,
+                                          FOLD_SCALE,
                                           BLOCK_N, BLOCK_D, BLOCK_DV)
             # Rows that see no key have l_i 0 exactly; a NaN l_i (NaN in the inputs) stays.
             seen = l_i != 0
@@ -1171,15 +1181,15 @@ if triton is not None:
                          offset, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
                          MASK: tl.constexpr, CAUSAL: tl.constexpr,
                          MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                         DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """dQ over the key blocks in [start, end): P from lse, dS = P (dP - delta)."""
         for first_col in range(start, end, BLOCK_N):
             cols = first_col + tl.arange(0, BLOCK_N)
             keys = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, False,
-                               DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_D)
+                               DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_D)
             values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
-                                   True, DESCRIPTORS, UPCAST, BLOCK_N, BLOCK_DV)
+                                   True, DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_DV)
             scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
             if MASK != 0:
                 scores += _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK, False)
@@ -1264,12 +1274,14 @@ if triton is not None:
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
                                   full_end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows,
                                   row_mask, stride_mn, MASK, CAUSAL, False,
-                                  UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                  UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                                  BLOCK_DV)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, full_end,
                                   end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
                                   stride_mn, MASK, CAUSAL, True,
-                                  UPCAST, PRECISION, DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                  UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                                  BLOCK_DV)
             if VARLEN:
                 dq_ptrs = dq_ptr + ((q_start + rows)[:, None] * H + h) * D + dims[None, :]
             else:
@@ -1282,8 +1294,8 @@ if triton is not None:
                           cols, start, end, Sq, Sk, offset, D, DV, qk_scale, like_ptr,
                           mask_base, stride_mm, stride_mn, MASK: tl.constexpr,
                           CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                          PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                          BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                          DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr):
         """dK and dV of one key block over the query blocks in [start, end), transposed:
         ``S^T = K Q^T`` (keys x queries), so that ``P^T`` and ``dS^T`` leave their products
@@ -1294,9 +1306,9 @@ if triton is not None:
             rows = first_row + tl.arange(0, BLOCK_Q)
             row_mask = rows < Sq
             q_t = _rows_block(q_base, q_desc, first_row, stride_qm, stride_qd, Sq, D, True,
-                              DESCRIPTORS, UPCAST, BLOCK_Q, BLOCK_D)
+                              DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_D)
             dout = _rows_block(dout_base, dout_desc, first_row, stride_dm, stride_dd, Sq, DV,
-                               False, DESCRIPTORS, UPCAST, BLOCK_Q, BLOCK_DV)
+                               False, DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_DV)
             lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
             lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)  # no key seen: P = 0
             delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
@@ -1388,16 +1400,16 @@ if triton is not None:
                                            stride_dm, stride_dd, cols, start, full_start, Sq,
                                            Sk, offset, D, DV, qk_scale, q_ptr, mask_base,
                                            stride_mm, stride_mn, MASK, CAUSAL, True,
-                                           UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
-                                           BLOCK_DV)
+                                           UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
+                                           BLOCK_D, BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + statistics,
                                            delta_ptr + statistics, stride_qm, stride_qd,
                                            stride_dm, stride_dd, cols, full_start, Sq, Sq, Sk,
                                            offset, D, DV, qk_scale, q_ptr, mask_base,
                                            stride_mm, stride_mn, MASK, CAUSAL, False,
-                                           UPCAST, PRECISION, DESCRIPTORS, BLOCK_Q, BLOCK_D,
-                                           BLOCK_DV)
+                                           UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
+                                           BLOCK_D, BLOCK_DV)
             if VARLEN:
                 key_rows = (k_start + cols) * HKV + hkv
             else:

@@ -5,7 +5,7 @@ max_seqlen_k)`` and its gradient ``attention_varlen_backward``.
 ``q`` is ``(T, H, D)``, ``k`` ``(Tk, Hkv, D)``, ``v`` ``(Tk, Hkv, Dv)``: the tokens of
 ``B`` sequences one after another; sequence ``b`` holds query rows ``cu_seqlens_q[b]`` to
 ``cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b]`` to ``cu_seqlens_k[b + 1]``
-(int32 cumulative lengths, ``B + 1`` of them, from 0 to ``T`` and to ``Tk``). Each
+(int32 or int64 cumulative lengths, ``B + 1`` of them, from 0 to ``T`` and to ``Tk``). Each
 sequence attends to its own keys only, as `opforge.ops.attention` does on one batch entry
 (grouped-query heads, ``causal`` aligned to the bottom-right of each sequence, a query
 that sees no key gets ``out = 0`` and ``lse = -inf``). Outputs: ``out`` ``(T, H, Dv)`` in
@@ -23,6 +23,7 @@ The pointer kernels run (no tensor-descriptor variants, no GQA packing, no key s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -59,9 +60,9 @@ from opforge.precision.cases import LONG_ROW, generate
 
 NAME = "attention_varlen"
 BACKWARD_NAME = f"{NAME}_backward"
-CU_SEQLENS = (TensorArg("cu_seqlens_q", dtypes=(torch.int32,),
+CU_SEQLENS = (TensorArg("cu_seqlens_q", dtypes=(torch.int32, torch.int64),
                         doc="(B + 1,) cumulative query lengths, 0 to T"),
-              TensorArg("cu_seqlens_k", dtypes=(torch.int32,),
+              TensorArg("cu_seqlens_k", dtypes=(torch.int32, torch.int64),
                         doc="(B + 1,) cumulative key lengths, 0 to Tk"))
 ATTRS = (dense.CAUSAL, dense.SCALE,
          Attr("max_seqlen_q", "int", None, range=(0, None),
@@ -106,7 +107,9 @@ def _check(inputs: Specs, attrs: Attrs) -> None:
 
 def check_lengths(plan: object, cu: torch.Tensor, total: int, name: str) -> None:
     """``cu`` runs from 0 to ``total`` without decreasing, by one host read (skipped where
-    host reads are not allowed: the kernels clamp each sequence to the tokens there are).
+    host reads are not allowed: the kernels clamp each sequence to the tokens there are,
+    rows no sequence holds get 0 (lse -inf, no gradient), and sequences that overlap,
+    after a decrease, write their common rows in no defined order).
 
     Raises:
         IndexRangeError: a first length other than 0, a decrease, a last length other
@@ -185,10 +188,18 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
             max(1, min(b * h, MAX_PROGRAMS)))
 
 
-def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[slice, slice]]:
-    ends_q, ends_k = cu_q.tolist(), cu_k.tolist()
-    return [(slice(ends_q[i], ends_q[i + 1]), slice(ends_k[i], ends_k[i + 1]))
-            for i in range(len(ends_q) - 1)]
+def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor, t: int, tk: int
+               ) -> list[tuple[slice, slice]]:
+    """Each sequence's (query rows, key rows), clamped to the tokens as the kernels clamp
+    them (`opforge.ops.attention._sequence`)."""
+    def spans(ends: list[int], total: int) -> list[slice]:
+        result = []
+        for first, last in itertools.pairwise(ends):
+            start = min(max(first, 0), total)
+            result.append(slice(start, min(max(last, start), total)))
+        return result
+
+    return list(zip(spans(cu_q.tolist(), t), spans(cu_k.tolist(), tk), strict=True))
 
 
 def _dense(x: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -202,18 +213,20 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
                   attend: Callable[..., tuple[torch.Tensor, torch.Tensor]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``(T, H, Dv)``, lse ``(H, T)``) from ``attend(q, k, v)`` on each sequence's
-    ``(1, H, S, D)`` views."""
-    out = q.new_empty((*q.shape[:2], v.shape[2]))
-    lse = None
-    for rows, keys in _sequences(cu_q, cu_k):
+    ``(1, H, S, D)`` views; rows no sequence holds (lengths not checked, inside
+    `opforge.device_side_checks`) get 0 and -inf, as in the kernels."""
+    out = lse = None
+    for rows, keys in _sequences(cu_q, cu_k, q.shape[0], k.shape[0]):
         part_out, part_lse = attend(_dense(q, rows), _dense(k, keys), _dense(v, keys))
         if lse is None:
-            out = out.to(part_out.dtype)
-            lse = part_lse.new_empty((q.shape[1], q.shape[0]))
+            out = part_out.new_zeros((*q.shape[:2], v.shape[2]))
+            lse = part_lse.new_full((q.shape[1], q.shape[0]), -torch.inf)
         out[rows] = part_out[0].transpose(0, 1)
         lse[:, rows] = part_lse[0]
-    if lse is None:  # no token
-        lse = q.new_empty((q.shape[1], 0), dtype=statistics_dtype(q.dtype))
+    if lse is None:  # no sequence
+        out = q.new_zeros((*q.shape[:2], v.shape[2]))
+        lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf,
+                         dtype=statistics_dtype(q.dtype))
     return out, lse
 
 
@@ -397,7 +410,7 @@ def _gradients_per_sequence(inputs: Sequence[torch.Tensor | None],
     grad_lse)`` on each sequence's ``(1, H, S, D)`` views (lse ``(1, H, S)``)."""
     dout, q, k, v, out, lse, grad_lse, cu_q, cu_k = inputs
     results: list[torch.Tensor] | None = None
-    for rows, keys in _sequences(cu_q, cu_k):
+    for rows, keys in _sequences(cu_q, cu_k, q.shape[0], k.shape[0]):
         parts = gradients(_dense(dout, rows), _dense(q, rows), _dense(k, keys),
                           _dense(v, keys), _dense(out, rows), lse[None, :, rows],
                           None if grad_lse is None else grad_lse[None, :, rows])
@@ -510,6 +523,10 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     if t == 0:
         return
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # read by offset
+    if not backends.host_reads_allowed(q.device):
+        # Unchecked lengths may leave rows out of every sequence: defined as no key seen.
+        out.zero_()
+        lse.fill_(-torch.inf)
     options = dense._launch_options(plan, (q, k, v, out), "BLOCK_M", "BLOCK_N")
     qk_scale = dense._scale_of(plan.attrs, d) * dense.LOG2_E
     for first, count in dense._head_chunks(b * h):
@@ -535,6 +552,9 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     lse = lse.contiguous()
     grad_lse = None if grad_lse is None else grad_lse.contiguous()
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # read by offset
+    if not backends.host_reads_allowed(q.device):
+        for grad in outputs:  # rows out of every sequence: no gradient
+            grad.zero_()
     delta = workspace[:4 * h * t].view(torch.float32)
     tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
     query_side = dense._launch_options(plan, tensors, "BLOCK_M", "BLOCK_N")
@@ -601,15 +621,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q: ``(T, H, D)``; k: ``(Tk, Hkv, D)``; v: ``(Tk, Hkv, Dv)``: the tokens of the
             sequences one after another, one float dtype, ``H`` a multiple of ``Hkv``,
             ``D, Dv <= 256``.
-        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` cumulative lengths (int32, or int64,
-            converted), from 0 to ``T`` / ``Tk``: sequence ``b`` is rows
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` cumulative lengths (int32 or int64),
+            from 0 to ``T`` / ``Tk``: sequence ``b`` is rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b]:
             cu_seqlens_k[b + 1]`` of k and v.
         causal: per sequence, query ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right).
         scale: score scale, ``1 / sqrt(D)`` when None.
         max_seqlen_q, max_seqlen_k: the longest query and key sequence; they size the
             grid and the tiles (a wrong value costs speed, not correctness). None: read
-            from the lengths on the host (one synchronisation on an accelerator).
+            from the lengths on the host (one more read of each; inside torch.compile,
+            the token counts).
         return_lse: also return the float32 (float64 for float64 inputs) log-sum-exp of
             each query's scaled scores, ``(H, T)`` (``-inf`` for a query that sees no key).
 
@@ -619,17 +640,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises:
         ShapeError: not ``(T, H, D)``, mismatched heads or dims, lengths of different
             counts. DtypeError: q, k, v of different or unsupported dtypes, lengths not
-            integers. IndexRangeError: lengths that do not run from 0 to the token count
-            without decreasing (read on the host unless `opforge.device_side_checks`).
+            int32 or int64. IndexRangeError: lengths that do not run from 0 to the token
+            count without decreasing (read on the host unless `opforge.device_side_checks`,
+            see `check_lengths`).
     """
-    # The kernels read int32 lengths (a sequence of 2^31 tokens is beyond any memory).
-    lengths = [cu.to(torch.int32) if isinstance(cu, torch.Tensor) and cu.dtype == torch.int64
-               else cu for cu in (cu_seqlens_q, cu_seqlens_k)]
-    if max_seqlen_q is None or max_seqlen_k is None:
-        longest = [_longest(cu) for cu in lengths]
+    if (max_seqlen_q is None or max_seqlen_k is None) and not torch.compiler.is_compiling():
+        longest = [_longest(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]
         max_seqlen_q = longest[0] if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
-    out, lse = ATTENTION_VARLEN(q, k, v, *lengths, causal, scale, max_seqlen_q, max_seqlen_k)
+    out, lse = ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                max_seqlen_q, max_seqlen_k)
     return (out, lse) if return_lse else out
 
 
