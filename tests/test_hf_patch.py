@@ -302,18 +302,26 @@ def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kin
                                    msg=name)
 
 
-def test_a_packed_batch_longer_than_the_sliding_window_is_refused():
-    """Packed sequences longer than Mistral's window of 4: the varlen kernels have no
-    window (and transformers' mask for such a batch joins the sequences): a typed error,
-    not a silently different attention."""
+def test_a_packed_batch_longer_than_the_sliding_window_keeps_the_window():
+    """Packed sequences of 5, 9 and 3 tokens under Mistral's window of 4: each sequence
+    runs alone with the window as its mask (the varlen kernels have no window), and its
+    logits equal those of the unpatched model on the sequence alone."""
     model = _tiny("mistral")
+    reference = copy.deepcopy(model)
     opforge.patch(model)
-    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
-    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
-    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
-    with pytest.raises(opforge.hf.PatchError, match="sliding window") as caught:
-        model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    assert caught.value.param == "sliding_window"
+    lengths = [5, 9, 3]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=9, max_length_k=9).logits
+        start = 0
+        for length in lengths:
+            alone = reference(ids[:, start:start + length]).logits
+            torch.testing.assert_close(packed[:, start:start + length], alone, rtol=2e-5,
+                                       atol=2e-5)
+            start += length
 
 
 def test_generation_is_unchanged_and_unpatch_restores_the_model():

@@ -252,8 +252,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         scale: score scale, ``1 / sqrt(D)`` when None.
         return_lse: also return the float32 (for float64 inputs float64) natural-log
             log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` in every layout but
-            ``"TND"``'s ``(H, T)`` (``-inf`` for a query that sees no key). A NaN or +inf score (a NaN input, an
-            overflowed ``q.k``) makes its row's out and lse NaN.
+            ``"TND"``'s ``(H, T)`` (``-inf`` for a query that sees no key). A NaN or +inf
+            score (a NaN input, an overflowed ``q.k``) makes its row's out and lse NaN.
         attn_mask: broadcastable to ``(B, H, Sq, Sk)`` (a lower rank is aligned to the
             right, as in torch): bool, True where the query sees the key (torch SDPA's
             convention), or float (q's dtype or float32), added to the scaled scores

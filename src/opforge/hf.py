@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 import types
 from collections.abc import Callable
@@ -148,13 +149,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     output as ``(B, Sq, H, Dv)`` and no weights. A padding-free batch (one row of packed
     sequences with transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keywords, as its
     flattening collator gives) runs `opforge.attention_varlen`: each sequence attends to
-    its own keys only, and no ``S x S`` mask is read.
+    its own keys only, and no ``S x S`` mask is read; under a sliding window shorter than
+    its longest sequence, each sequence runs alone with the window as its mask (the varlen
+    kernels have no window).
 
     Raises:
         PatchError: dropout during training, a softcap, attention sinks or a position bias
-            (opforge's attention has none of them); a padding-free batch with a sliding
-            window shorter than its longest sequence (the varlen kernels have no window,
-            and the mask transformers builds there does not separate the sequences).
+            (opforge's attention has none of them); a padding-free batch under a sliding
+            window in a module that is not causal.
     """
     if dropout:
         raise PatchError("opforge attention has no dropout", op="attention", param="dropout",
@@ -171,11 +173,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if window is not None:
             longest = int((cu_k[1:] - cu_k[:-1]).max()) if longest is None else longest
             if longest > window:
-                raise PatchError("a padding-free batch with a sliding window shorter than "
-                                 "its sequences: opforge's varlen attention has no window",
-                                 op="attention", param="sliding_window",
-                                 expected=f"sequences of at most {window} tokens, or a "
-                                          "padded batch", got=f"{longest} tokens")
+                if not module_causal:
+                    raise PatchError("a padding-free batch under a sliding window needs a "
+                                     "causal module", op="attention", param="sliding_window",
+                                     expected="a causal attention", got="is_causal=False")
+                return _windowed_sequences(query, key, value, cu_q, cu_k, window,
+                                           scaling), None
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
                                longest)
@@ -187,6 +190,25 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     out = attention(query, key, value, causal, scaling, attn_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _windowed_sequences(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        cu_q: torch.Tensor, cu_k: torch.Tensor, window: int,
+                        scaling: float | None) -> torch.Tensor:
+    """Packed causal sequences (``(1, H, T, D)``) under transformers' sliding window (query
+    ``i`` sees keys ``i - window < j <= i``): each sequence by `opforge.attention` with
+    that band as its mask; ``(1, T, H, Dv)``."""
+    outs = []
+    for (q_start, q_end), (k_start, k_end) in zip(itertools.pairwise(cu_q.tolist()),
+                                                  itertools.pairwise(cu_k.tolist()),
+                                                  strict=True):
+        positions = torch.arange(q_end - q_start, device=query.device)[:, None] \
+            + (k_end - k_start) - (q_end - q_start)
+        keys = torch.arange(k_end - k_start, device=query.device)[None, :]
+        outs.append(attention(query[:, :, q_start:q_end], key[:, :, k_start:k_end],
+                              value[:, :, k_start:k_end], False, scaling,
+                              attn_mask=(keys <= positions) & (keys > positions - window)))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _rope_function(mode: str) -> Callable:
