@@ -36,7 +36,9 @@ def _qkv(b: int, h: int, hkv: int, sq: int, sk: int, d: int, dv: int | None = No
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("op", [ATTENTION, ATTENTION_BACKWARD], ids=lambda o: o.name)
+@pytest.mark.parametrize("op", [ATTENTION, ATTENTION_BACKWARD, opforge.get_op("attention_varlen"),
+                                opforge.get_op("attention_varlen_backward")],
+                         ids=lambda o: o.name)
 def test_samples_match_the_golden(op, dtype, backend):
     generator = torch.Generator().manual_seed(1)
     for case in op.samples(dtype, DEVICE, generator):
