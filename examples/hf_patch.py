@@ -5,10 +5,11 @@
 Builds the model from its config (no hub access), keeps a float64 copy and an unpatched
 copy, then `opforge.patch`es the model and prints: what was patched and left, the
 logits' error of the patched and the unpatched model against the float64 copy on a
-left-padded batch, the losses of a few AdamW steps of both (the patched model's from its
-last hidden states by the fused linear cross-entropy: no logits made), and the alerts of
-`opforge.precision.Monitor` watching the patched model. ``TRITON_INTERPRET=1`` runs the
-Triton kernels on a CPU.
+left-padded batch, the same sequences packed without padding in one row (by
+`opforge.attention_varlen`), the losses of a few AdamW steps of both (the patched model's
+from its last hidden states by the fused linear cross-entropy: no logits made), and the
+alerts of `opforge.precision.Monitor` watching the patched model. ``TRITON_INTERPRET=1``
+runs the Triton kernels on a CPU.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def main() -> int:
             logits = candidate(ids, attention_mask=mask).logits
             print(f"{name:>16}: logits relative error vs float64 "
                   f"{relative_error(logits[valid], reference[valid]):.2e}")
+        # The same sequences without padding, packed in one row as transformers'
+        # flattening collator passes them: opforge.attention_varlen keeps each to itself.
+        lengths = mask.sum(1).tolist()
+        ends = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        packed = model(ids[valid][None],
+                       position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+                       cu_seq_lens_q=ends, cu_seq_lens_k=ends, max_length_q=max(lengths),
+                       max_length_k=max(lengths)).logits[0]
+        padded = model(ids, attention_mask=mask).logits[valid]
+        print(f"padding-free batch ({len(lengths)} sequences, {sum(lengths)} tokens in one "
+              f"row): max |logits - the padded batch's| {(packed - padded).abs().max():.2e}")
 
     with Monitor(model) as monitor:
         patched_losses = []

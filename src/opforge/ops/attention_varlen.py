@@ -35,6 +35,7 @@ from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     OpDef,
@@ -322,6 +323,22 @@ def _torch_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, None, causal, scale))
 
 
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """Causal packed sequences of 1024 tokens (the last takes the rest), ``shape = (T, H,
+    D)``, a key/value head per four query heads: equal lengths, so that the cost model's
+    count of the work (`_pairs`) is exact."""
+    t, h, d = shape
+    count = max(1, t // 1024)
+    lengths = [t // count] * (count - 1) + [t - (t // count) * (count - 1)]
+    hkv = h // 4 if h % 4 == 0 else h
+    q, k, v = (generate("normal", (t, heads, d), dtype, device=device, generator=generator)
+               for heads in (h, hkv, hkv))
+    cu = cumulative(lengths, device)
+    return Case("causal", (q, k, v, cu, cu), {"causal": True, "max_seqlen_q": max(lengths),
+                                              "max_seqlen_k": max(lengths)})
+
+
 ATTENTION_VARLEN = OpDef(
     name=NAME, doc="Flash-style attention over packed variable-length sequences [T, H, D] "
                    "(cumulative lengths), GQA, bottom-right causal per sequence.",
@@ -334,7 +351,10 @@ ATTENTION_VARLEN = OpDef(
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_attention_varlen, sweep=_sweep,
                             known_limitations=(dense.CANCELLING_TERMS,
                                                dense.OVERFLOWING_SCORES,
-                                               dense.SUBNORMAL_MEANS)))
+                                               dense.SUBNORMAL_MEANS)),
+    bench=BenchSpec(shapes=((8192, 32, 128), (32768, 32, 128)),
+                    cpu_shapes=((256, 4, 64), (2048, 4, 64)), case=_bench_case,
+                    metric="TFLOP/s"))
 
 
 def _check_backward(inputs: Specs, attrs: Attrs) -> None:
