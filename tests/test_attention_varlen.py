@@ -13,6 +13,7 @@ import torch
 import opforge
 from opforge.compat.torch_npu import npu_fusion_attention
 from opforge.core.opdef import Case
+from opforge.ops import attention_varlen as varlen_module
 from opforge.ops.attention_varlen import cumulative
 
 from .conftest import DEVICE, assert_golden
@@ -118,6 +119,26 @@ def test_lengths_that_do_not_cover_the_tokens_are_refused(ends, message, backend
     with pytest.raises(opforge.IndexRangeError) as caught:
         opforge.attention_varlen(q, k, v, good, bad)
     assert caught.value.param == "cu_seqlens_k"
+
+
+def test_lengths_are_read_once_per_version(monkeypatch, backend):
+    """A packing read once is not read again (a model's layers share it: one host read, a
+    synchronisation on an accelerator, instead of one per layer and pass) until an in-place
+    update changes it; a bad update is then refused."""
+    reads = []
+    real = varlen_module._ends
+    monkeypatch.setattr(varlen_module, "_ends", lambda cu: reads.append(1) or real(cu))
+    q, k, v = (t.requires_grad_() for t in _packed([4, 6], [5, 5]))
+    cu_q, cu_k = cumulative([4, 6], DEVICE), cumulative([5, 5], DEVICE)
+    out = opforge.attention_varlen(q, k, v, cu_q, cu_k, True, None, 6, 5)
+    assert len(reads) == 2
+    out.sum().backward()  # the backward's check: the same packing
+    opforge.attention_varlen(q, k, v, cu_q, cu_k, True, None, 6, 5)
+    assert len(reads) == 2
+    cu_q[1] = 11  # past the 10 tokens
+    with pytest.raises(opforge.IndexRangeError):
+        opforge.attention_varlen(q, k, v, cu_q, cu_k, True, None, 6, 5)
+    assert len(reads) == 3
 
 
 @pytest.mark.parametrize("change, error, param", [
