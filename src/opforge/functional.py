@@ -288,11 +288,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if layout not in ATTENTION_LAYOUTS:
         raise AttrError("unknown layout", op="attention", param="layout",
                         expected=" | ".join(ATTENTION_LAYOUTS), got=layout)
-    packing = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-               "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
     if layout != "TND":
-        given = next((name for name, value in packing.items() if value is not None), None)
-        if given is not None:
+        # Four reads on every call: the packing arguments, named only on the rare error.
+        if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None \
+                or max_seqlen_k is not None:
+            given = next(name for name, value in (
+                ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+                if value is not None)
             raise AttrError("belongs to layout TND (packed sequences)", op="attention",
                             param=given, expected="layout='TND'", got=layout)
     else:

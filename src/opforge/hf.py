@@ -51,6 +51,7 @@ from opforge.functional import (
     rope,
     silu,
 )
+from opforge.ops.attention import band_mask
 
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
@@ -202,12 +203,11 @@ def _windowed_sequences(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     for (q_start, q_end), (k_start, k_end) in zip(itertools.pairwise(cu_q.tolist()),
                                                   itertools.pairwise(cu_k.tolist()),
                                                   strict=True):
-        positions = torch.arange(q_end - q_start, device=query.device)[:, None] \
-            + (k_end - k_start) - (q_end - q_start)
-        keys = torch.arange(k_end - k_start, device=query.device)[None, :]
+        sq, sk = q_end - q_start, k_end - k_start
         outs.append(attention(query[:, :, q_start:q_end], key[:, :, k_start:k_end],
                               value[:, :, k_start:k_end], False, scaling,
-                              attn_mask=(keys <= positions) & (keys > positions - window)))
+                              attn_mask=band_mask(sq, sk, window - 1, 0, sk - sq,
+                                                  query.device)))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 

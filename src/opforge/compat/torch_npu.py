@@ -25,6 +25,7 @@ from opforge.functional import (
     rope,
 )
 from opforge.library import call
+from opforge.ops.attention import band_mask
 from opforge.ops.attention_varlen import attention_varlen
 from opforge.ops.swiglu import SWIGLU
 
@@ -180,9 +181,7 @@ def _band(sq: int, sk: int, pre_tockens: int, next_tockens: int, offset: int,
     <= next``; None when the band holds every pair."""
     if pre_tockens >= sq + sk and next_tockens >= sq + sk:
         return None
-    shift = (torch.arange(sk, device=device)[None, :]
-             - torch.arange(sq, device=device)[:, None] - offset)
-    return (shift <= next_tockens) & (shift >= -pre_tockens)
+    return band_mask(sq, sk, pre_tockens, next_tockens, offset, device)
 
 
 def _fusion_mask(sq: int, sk: int, atten_mask: torch.Tensor | None, sparse_mode: int,

@@ -486,6 +486,15 @@ def causal_mask(sq: int, sk: int, device: torch.device | str | None = None,
     return torch.arange(sk, device=device)[None, :] <= queries + (sk - sq)
 
 
+def band_mask(sq: int, sk: int, before: int, after: int, offset: int,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``-before <= j - (i +
+    offset) <= after`` (``offset`` ``Sk - Sq`` aligns the band bottom-right, 0 top-left)."""
+    shift = (torch.arange(sk, device=device)[None, :]
+             - torch.arange(sq, device=device)[:, None] - offset)
+    return (shift <= after) & (shift >= -before)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
             scale: float | None, compute_dtype: torch.dtype, rows: slice | None = None
             ) -> torch.Tensor:
@@ -883,7 +892,7 @@ if triton is not None:
         return full_end, end
 
     @triton.jit
-    def _sequence(cu_ptr, index, total, VARLEN: tl.constexpr):
+    def _rows_of(cu_ptr, index, total, VARLEN: tl.constexpr):
         """(first row, rows) of sequence ``index`` of packed sequences, from the cumulative
         lengths at ``cu_ptr`` clamped to the ``total`` rows (lengths the host did not check
         read and write nothing out of bounds); without ``VARLEN``, all ``total`` rows."""
@@ -896,6 +905,14 @@ if triton is not None:
             return start.to(tl.int64), (end - start).to(tl.int32)
         else:
             return 0, total
+
+    @triton.jit
+    def _sequence(cu_q_ptr, cu_k_ptr, batch, Sq, Sk, VARLEN: tl.constexpr):
+        """(first query row, queries, first key row, keys) of batch entry ``batch``: with
+        ``VARLEN`` a packed sequence (`_rows_of`), else all ``Sq`` and ``Sk`` rows."""
+        q_start, queries = _rows_of(cu_q_ptr, batch, Sq, VARLEN)
+        k_start, keys = _rows_of(cu_k_ptr, batch, Sk, VARLEN)
+        return q_start, queries, k_start, keys
 
     @triton.jit
     def _heavy_first(index, blocks, CAUSAL: tl.constexpr):
@@ -1071,8 +1088,7 @@ if triton is not None:
         batch = group_index // (H // PACK)
         first_head = (group_index % (H // PACK)) * PACK
         total_q = Sq
-        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
-        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
+        q_start, Sq, k_start, Sk = _sequence(cu_q_ptr, cu_k_ptr, batch, Sq, Sk, VARLEN)
         split_start = tl.program_id(2) * keys_per_split
         split_end = split_start + keys_per_split
         q_base = q_ptr + batch * stride_qb + q_start * stride_qm
@@ -1226,8 +1242,7 @@ if triton is not None:
         head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, h = head // H, head % H
         total_q = Sq
-        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
-        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
+        q_start, Sq, k_start, Sk = _sequence(cu_q_ptr, cu_k_ptr, batch, Sq, Sk, VARLEN)
         q_base = q_ptr + batch * stride_qb + h * stride_qh + q_start * stride_qm
         dout_base = dout_ptr + batch * stride_db + h * stride_dh + q_start * stride_dm
         out_base = out_ptr + batch * stride_ob + h * stride_oh + q_start * stride_om
@@ -1352,8 +1367,7 @@ if triton is not None:
         kv_head = (tl.program_id(1) + head_offset).to(tl.int64)
         batch, hkv = kv_head // HKV, kv_head % HKV
         total_q = Sq
-        q_start, Sq = _sequence(cu_q_ptr, batch, Sq, VARLEN)
-        k_start, Sk = _sequence(cu_k_ptr, batch, Sk, VARLEN)
+        q_start, Sq, k_start, Sk = _sequence(cu_q_ptr, cu_k_ptr, batch, Sq, Sk, VARLEN)
         k_base = k_ptr + batch * stride_kb + hkv * stride_kh + k_start * stride_kn
         v_base = v_ptr + batch * stride_vb + hkv * stride_vh + k_start * stride_vn
         offset = Sk - Sq
