@@ -1424,13 +1424,21 @@ if triton is not None:
                                            stride_mm, stride_mn, MASK, CAUSAL, False,
                                            UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
                                            BLOCK_D, BLOCK_DV)
+            # dk and dv rows: [T, HKV, D] packed, else [B, HKV, Sk, D] (a scalar base, so
+            # that the per-row offsets stay 32-bit).
             if VARLEN:
-                key_rows = (k_start + cols) * HKV + hkv
+                dk_base = dk_ptr + (k_start * HKV + hkv) * D
+                dv_base = dv_ptr + (k_start * HKV + hkv) * DV
+                dk_row = HKV * D
+                dv_row = HKV * DV
             else:
-                key_rows = kv_head * Sk + cols
-            dk_ptrs = dk_ptr + key_rows[:, None] * D + dims[None, :]
+                dk_base = dk_ptr + kv_head * Sk * D
+                dv_base = dv_ptr + kv_head * Sk * DV
+                dk_row = D
+                dv_row = DV
+            dk_ptrs = dk_base + cols[:, None] * dk_row + dims[None, :]
             tl.store(dk_ptrs, rounded_for(dk * scale, dk_ptr), mask=k_mask)
-            dv_ptrs = dv_ptr + key_rows[:, None] * DV + value_dims[None, :]
+            dv_ptrs = dv_base + cols[:, None] * dv_row + value_dims[None, :]
             tl.store(dv_ptrs, rounded_for(dv, dv_ptr), mask=v_mask)
 
 
