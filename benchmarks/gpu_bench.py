@@ -509,22 +509,88 @@ def packed_attention_rows(device: torch.device, warmup_ms: int, rep_ms: int
                   "dv)", max_abs_diff=worst, status="ok" if worst <= 2e-2 else "FAIL",
                   detail="max |diff| / max |SDPA|, bound 2e-2")
         flops = sum(2 * h * n * n * d for n in lengths)
-        for mode, work in (("fwd", flops), ("fwd+bwd", 3.5 * flops)):
-            reference_us = None
-            for impl, call in impls:
-                if mode == "fwd":
-                    with torch.no_grad():
-                        us = bench_us(functools.partial(call, *leaves), warmup_ms, rep_ms)
-                else:
-                    us = bench_us(lambda call=call: torch.autograd.grad(
-                        call(*leaves), leaves, upstream), warmup_ms, rep_ms)
-                reference_us = reference_us or us
-                yield Row("time", f"attention_varlen {mode}", shape, "bf16", impl, us, None,
-                          work / (us * 1e-6) / 1e12, reference_us / us,
-                          detail="TFLOP/s; ratio to SDPA flash per sequence")
+        yield from _timed_passes("attention_varlen", shape, impls, leaves, upstream, flops,
+                                 warmup_ms, rep_ms)
         torch.cuda.empty_cache()
     except Exception as error:  # reported; the other rows still run
         yield _error_row("time", "attention_varlen", shape, "bf16", "opforge", error)
+
+
+def _timed_passes(op: str, shape: str, impls: Sequence[tuple[str, Callable[..., Any]]],
+                  leaves: Sequence[torch.Tensor], upstream: torch.Tensor, flops: float,
+                  warmup_ms: int, rep_ms: int) -> Iterator[Row]:
+    """Forward and forward + backward rows of ``impls`` (the first the reference), TFLOP/s
+    of ``flops`` (forward + backward 3.5 times them)."""
+    for mode, work in (("fwd", flops), ("fwd+bwd", 3.5 * flops)):
+        reference_us = None
+        for impl, call in impls:
+            if mode == "fwd":
+                with torch.no_grad():
+                    us = bench_us(functools.partial(call, *leaves), warmup_ms, rep_ms)
+            else:
+                us = bench_us(lambda call=call: torch.autograd.grad(
+                    call(*leaves), leaves, upstream), warmup_ms, rep_ms)
+            reference_us = reference_us or us
+            yield Row("time", f"{op} {mode}", shape, "bf16", impl, us, None,
+                      work / (us * 1e-6) / 1e12, reference_us / us,
+                      detail=f"TFLOP/s; ratio to {impls[0][0]}")
+
+
+# Sliding windows: B, H, Hkv, S, D, and the windows (Mistral-7B's 4096, and 1024).
+WINDOW_SHAPE = (2, 32, 8, 8192, 128)
+WINDOWS = (4096, 1024)
+
+
+def windowed_attention_rows(device: torch.device, warmup_ms: int, rep_ms: int
+                            ) -> Iterator[Row]:
+    """bf16 causal attention under a sliding window of W keys (query i sees i - W < j <=
+    i), forward and forward + backward: opforge's band (``window_left = W - 1``, the key
+    blocks outside it skipped) against SDPA given the window as a boolean mask (what a
+    library without a window runs) and against full causal attention (SDPA flash and
+    opforge: the work the window saves), after a check of out and the gradients against
+    SDPA's masked result. TFLOP/s of the window's own pairs."""
+    b, h, hkv, s, d = WINDOW_SHAPE
+    for window in WINDOWS:
+        shape = f"B{b} H{h}/{hkv} S{s} D{d} causal window {window}"
+        try:
+            generator = torch.Generator(device=device).manual_seed(6)
+            leaves = [torch.randn(b, heads, s, d, generator=generator, device=device,
+                                  dtype=torch.bfloat16).requires_grad_()
+                      for heads in (h, hkv, hkv)]
+            upstream = torch.randn_like(leaves[0])
+            positions = torch.arange(s, device=device)
+            shift = positions[None, :] - positions[:, None]
+            band = (shift <= 0) & (shift > -window)
+
+            def banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       left: int = window - 1) -> torch.Tensor:
+                return opforge.attention(q, k, v, causal=True, window_left=left)
+
+            def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor = band) -> torch.Tensor:
+                return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                               enable_gqa=True)
+
+            impls = (("SDPA band mask", masked), ("opforge window", banded),
+                     ("SDPA flash causal (no window)",
+                      lambda q, k, v: _sdpa_backend(SDPBackend.FLASH_ATTENTION)(q, k, v, True)),
+                     ("opforge causal (no window)",
+                      lambda q, k, v: _opforge_attention(q, k, v, True)))
+            results = [(call(*leaves), torch.autograd.grad(call(*leaves), leaves, upstream))
+                       for _, call in impls[:2]]
+            (theirs, their_grads), (ours, ours_grads) = results
+            worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
+                        for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
+            yield Row("check", "attention window", shape, "bf16", "opforge vs SDPA band mask "
+                      "(out, dq, dk, dv)", max_abs_diff=worst,
+                      status="ok" if worst <= 2e-2 else "FAIL",
+                      detail="max |diff| / max |SDPA|, bound 2e-2")
+            pairs = s * window - window * (window - 1) // 2
+            yield from _timed_passes("attention window", shape, impls, leaves, upstream,
+                                     4 * b * h * pairs * d, warmup_ms, rep_ms)
+            torch.cuda.empty_cache()
+        except Exception as error:  # reported; the other rows still run
+            yield _error_row("time", "attention window", shape, "bf16", "opforge", error)
 
 
 # DeepSeek-V3's MLA sizes: He, Hcq, Hckv, N, D, Dr; token counts (decode, prefill).
@@ -1004,6 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts += [attention_rows(device, args.warmup_ms, args.rep_ms,
                                  ATTENTION_SHAPES[:1] if args.targets else ATTENTION_SHAPES),
                   packed_attention_rows(device, args.warmup_ms, args.rep_ms),
+                  windowed_attention_rows(device, args.warmup_ms, args.rep_ms),
                   mla_rows(device, not args.no_compile, args.warmup_ms, args.rep_ms)]
         if not args.targets:
             parts.append(routing_rows(device, not args.no_compile, args.warmup_ms,

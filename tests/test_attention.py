@@ -11,7 +11,7 @@ import torch
 
 import opforge
 from opforge.core.opdef import Case, Tiling
-from opforge.ops.attention import causal_mask
+from opforge.ops.attention import visible_keys
 from opforge.precision.attention_study import attention_error_growth, growth
 from opforge.profiler.session import kernel_costs
 
@@ -235,7 +235,8 @@ def test_queries_that_see_no_key_get_zero_and_minus_inf_lse(backend):
     # Sk - Sq = -6: queries 0..5 see nothing, query i >= 6 sees i - 5 keys.
     assert torch.equal(out[:, :, :6], torch.zeros_like(out[:, :, :6]))
     assert torch.isneginf(lse[:, :, :6]).all() and torch.isfinite(lse[:, :, 6:]).all()
-    assert not causal_mask(10, 4)[:6].any() and causal_mask(10, 4)[6:].any(-1).all()
+    causal = visible_keys(10, 4, (None, 0))
+    assert not causal[:6].any() and causal[6:].any(-1).all()
 
 
 def test_grouped_query_attention_equals_repeated_heads(backend):

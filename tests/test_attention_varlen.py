@@ -241,12 +241,23 @@ def test_under_torch_compile_fullgraph(longest):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("sparse_mode, pre, nxt", [(3, None, None), (2, None, None),
-                                                   (4, 3, 0), (0, None, None)])
-def test_fusion_attention_tnd_equals_each_sequence_alone(sparse_mode, pre, nxt, backend):
+@pytest.mark.parametrize("sparse_mode, pre, nxt, packed_kernel", [
+    (3, None, None, True), (2, None, None, False), (4, 3, 0, True), (4, 2, -1, True),
+    (0, None, None, True), (0, 4, 1, False)])
+def test_fusion_attention_tnd_equals_each_sequence_alone(sparse_mode, pre, nxt, packed_kernel,
+                                                         monkeypatch, backend):
     """CANN's TND fusion attention on packed sequences whose key lengths differ from their
-    query lengths: the varlen kernels (modes 0 and 3) and the per-sequence masks (mode 2
-    aligns top-left, mode 4 a band) give each sequence what BSND gives it alone."""
+    query lengths gives each sequence what BSND gives it alone: the varlen kernels run
+    every rule that is one window from each sequence's bottom-right diagonal (modes 3 and
+    4, mode 0 without a band), the per-sequence path the others (mode 2 and mode 0's band
+    align top-left: their windows differ between sequences of other shapes)."""
+    import opforge.compat.torch_npu as compat
+
+    packed_calls = []
+    real = compat.attention_varlen
+    monkeypatch.setattr(compat, "attention_varlen",
+                        lambda *args, **kwargs: packed_calls.append(kwargs) or real(*args,
+                                                                                    **kwargs))
     lengths, key_lengths = [5, 9, 2], [8, 9, 4]
     q, k, v = _packed(lengths, key_lengths, seed=11)
     ends_q = torch.tensor(lengths).cumsum(0).tolist()
@@ -261,3 +272,4 @@ def test_fusion_attention_tnd_equals_each_sequence_alone(sparse_mode, pre, nxt, 
                                      scale=0.2, sparse_mode=sparse_mode, **extra)[0]
         torch.testing.assert_close(out[rows], alone[0], rtol=1e-6, atol=1e-6)
         first_q, first_k = first_q + sq, first_k + sk
+    assert len(packed_calls) == packed_kernel

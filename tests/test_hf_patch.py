@@ -302,13 +302,21 @@ def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kin
                                    msg=name)
 
 
-def test_a_packed_batch_longer_than_the_sliding_window_keeps_the_window():
-    """Packed sequences of 5, 9 and 3 tokens under Mistral's window of 4: each sequence
-    runs alone with the window as its mask (the varlen kernels have no window), and its
-    logits equal those of the unpatched model on the sequence alone."""
+def test_a_packed_batch_longer_than_the_sliding_window_keeps_the_window(monkeypatch):
+    """Packed sequences of 5, 9 and 3 tokens under Mistral's window of 4: `attention_varlen`
+    runs the window as its band (``window_left`` 3), and each sequence's logits equal
+    those of the unpatched model on the sequence alone."""
     model = _tiny("mistral")
     reference = copy.deepcopy(model)
     opforge.patch(model)
+    windows = []
+    real = opforge.hf.attention_varlen
+
+    def recording(*args, **kwargs):
+        windows.append(kwargs["window_left"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(opforge.hf, "attention_varlen", recording)
     lengths = [5, 9, 3]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -322,6 +330,39 @@ def test_a_packed_batch_longer_than_the_sliding_window_keeps_the_window():
             torch.testing.assert_close(packed[:, start:start + length], alone, rtol=2e-5,
                                        atol=2e-5)
             start += length
+    assert windows == [3, 3]  # one call per layer
+
+
+def test_a_sliding_window_runs_as_the_band_without_a_mask(monkeypatch):
+    """Mistral's window of 4 over 11 unpadded tokens: transformers' mask creation yields
+    no ``S x S`` mask, the attention runs causal with ``window_left`` 3, and the logits are
+    the unpatched model's; a padded batch keeps transformers' boolean mask (and its
+    logits); greedy generation, which decodes one query over the cache, is unchanged."""
+    model = _tiny("mistral")
+    reference = copy.deepcopy(model)
+    opforge.patch(model)
+    seen = []
+    real = opforge.hf.attention
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["attn_mask"] is None, kwargs["window_left"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(opforge.hf, "attention", recording)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=2e-5,
+                                   atol=2e-5)
+        assert seen == [(True, 3), (True, 3)]
+        seen.clear()
+        padded, attention_mask = _batch()
+        valid = attention_mask.bool()
+        torch.testing.assert_close(model(padded, attention_mask=attention_mask).logits[valid],
+                                   reference(padded, attention_mask=attention_mask
+                                             ).logits[valid], rtol=2e-5, atol=2e-5)
+        assert seen == [(False, None), (False, None)]
+    generate = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **generate), reference.generate(ids, **generate))
 
 
 def test_generation_is_unchanged_and_unpatch_restores_the_model():
@@ -439,7 +480,8 @@ def test_a_patched_model_trains():
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral"])
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """The other supported model types: every component patched (Mistral's sliding
-    window reaches opforge's attention as transformers' boolean mask), float32 logits of a
+    window over a padded batch reaches opforge's attention as transformers' boolean mask),
+    float32 logits of a
     left-padded batch as the unpatched model's within float32 rounding."""
     model = _tiny(kind)
     ids, attention_mask = _batch()

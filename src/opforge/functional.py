@@ -236,7 +236,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               attn_mask: torch.Tensor | None = None, layout: str = "BNSD",
               heads: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None
+              max_seqlen_k: int | None = None, window_left: int | None = None,
+              window_right: int | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
     matrix in memory); the torch backend (the CPU development path) holds the score
@@ -250,6 +251,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             in FlashAttention and KV-cache decoding; torch's SDPA ``is_causal`` aligns
             top-left, the same only when ``Sq == Sk``).
         scale: score scale, ``1 / sqrt(D)`` when None.
+        window_left, window_right: a band around each query's diagonal key ``i + Sk -
+            Sq``: query ``i`` sees keys ``i + Sk - Sq - window_left <= j <= i + Sk - Sq +
+            window_right`` (None: unbounded on that side; negative values shift the band
+            off the diagonal). With ``causal``, keys after the diagonal stay hidden. A
+            sliding window of ``W`` keys (Mistral's, transformers' ``sliding_window``) is
+            ``causal=True, window_left=W - 1``; CANN's band (``sparse_mode`` 4) is
+            ``window_left=pre_tokens, window_right=next_tokens``. The kernels skip the key
+            blocks outside the band: the work is ``O(Sq * W)``, not ``O(Sq * Sk)``.
         return_lse: also return the float32 (for float64 inputs float64) natural-log
             log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` in every layout but
             ``"TND"``'s ``(H, T)`` (``-inf`` for a query that sees no key). A NaN or +inf
@@ -259,8 +268,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             convention), or float (q's dtype or float32), added to the scaled scores
             (``-inf`` hides a key). Combined with ``causal``. The kernels read it per tile
             (broadcast dims are not expanded in memory); it gets no gradient. A query
-            whose keys are all hidden gets ``out = 0`` and ``lse = -inf`` (torch's SDPA
-            gives NaN there).
+            whose keys are all hidden (by the mask, ``causal`` or the window) gets
+            ``out = 0`` and ``lse = -inf`` (torch's SDPA gives NaN there).
         layout: ``"BNSD"`` (the shapes above), ``"BSND"`` (``(B, S, N, D)``, as Hugging
             Face models hold them), ``"BSH"`` (``(B, S, N * D)``) or ``"SBH"``
             (``(S, B, N * D)``); ``out`` comes back in the same layout. Views, no copies.
@@ -308,7 +317,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                                 got=None if value is None else type(value).__name__)
         return opforge.ops.attention_varlen.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
-            return_lse)
+            return_lse, window_left=window_left, window_right=window_right)
     if layout in ("BSH", "SBH"):
         head_dim = q.shape[-1] // heads if heads else None
         kv_heads = k.shape[-1] // head_dim if head_dim else None
@@ -319,7 +328,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                                                                       (v, "v")))
     if attn_mask is not None and 0 < attn_mask.dim() < 4:
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    out, lse = call("attention", q, k, v, attn_mask, causal, scale)
+    out, lse = call("attention", q, k, v, attn_mask, causal, scale, window_left,
+                    window_right)
     out = _from_bnsd(out, layout)
     return (out, lse) if return_lse else out
 
@@ -327,7 +337,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                        scale: float | None = None, grad_lse: torch.Tensor | None = None,
-                       attn_mask: torch.Tensor | None = None
+                       attn_mask: torch.Tensor | None = None, window_left: int | None = None,
+                       window_right: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of `attention`, recomputed from the saved ``out`` and ``lse``.
 
@@ -335,14 +346,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     of those keys: the result is that block's share of dq and its dk, dv (ring attention
     sums the dq shares). ``causal`` then applies to the block's own positions
     (``Sk - Sq`` offset). ``grad_lse``: the gradient reaching ``lse``, if any.
-    ``attn_mask``: the forward's, 4-D (each dim 1 or full).
+    ``attn_mask``, ``window_left``, ``window_right``: the forward's (the mask 4-D, each dim
+    1 or full).
 
     Raises:
         ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
             ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs).
     """
     return call("attention_backward", dout, q, k, v, out, lse, grad_lse, attn_mask, causal,
-                scale)
+                scale, window_left, window_right)
 
 
 def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,

@@ -8,7 +8,9 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 - every SwiGLU MLP's activation by `opforge.silu` (``down(silu(gate(x)) * up(x))``);
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
-  (padding, sliding windows, packed sequences) or, with no mask, the causal rule;
+  (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
+  sliding window as the kernels' band; padding-free packed batches by
+  `opforge.attention_varlen`, their window as its band;
 - the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
   interleaved pairs as ``interleave_half``);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 import types
 from collections.abc import Callable
@@ -51,7 +52,6 @@ from opforge.functional import (
     rope,
     silu,
 )
-from opforge.ops.attention import band_mask
 
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
@@ -146,13 +146,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       ) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature over `opforge.attention`: ``query``
     ``(B, H, Sq, D)``, ``key``/``value`` ``(B, Hkv, Sk, D|Dv)``, ``attention_mask`` a
-    boolean or additive 4-D mask or None (then the module's causal rule); returns the
-    output as ``(B, Sq, H, Dv)`` and no weights. A padding-free batch (one row of packed
-    sequences with transformers' ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keywords, as its
-    flattening collator gives) runs `opforge.attention_varlen`: each sequence attends to
-    its own keys only, and no ``S x S`` mask is read; under a sliding window shorter than
-    its longest sequence, each sequence runs alone with the window as its mask (the varlen
-    kernels have no window).
+    boolean or additive 4-D mask or None (then the module's causal rule and sliding
+    window, see `_mask`); returns the output as ``(B, Sq, H, Dv)`` and no weights. A
+    padding-free batch (one row of packed sequences with transformers' ``cu_seq_lens_q``
+    / ``cu_seq_lens_k`` keywords, as its flattening collator gives) runs
+    `opforge.attention_varlen`: each sequence attends to its own keys only, and no ``S x
+    S`` mask is read; a sliding window of ``W`` keys runs
+    as the kernels' band (``window_left = W - 1``), which skips the key blocks outside it.
 
     Raises:
         PatchError: dropout during training, a softcap, attention sinks or a position bias
@@ -170,45 +170,26 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-        longest = kwargs.get("max_length_k")
-        if window is not None:
-            longest = int((cu_k[1:] - cu_k[:-1]).max()) if longest is None else longest
-            if longest > window:
-                if not module_causal:
-                    raise PatchError("a padding-free batch under a sliding window needs a "
-                                     "causal module", op="attention", param="sliding_window",
-                                     expected="a causal attention", got="is_causal=False")
-                return _windowed_sequences(query, key, value, cu_q, cu_k, window,
-                                           scaling), None
+        if window is not None and not module_causal:
+            raise PatchError("a padding-free batch under a sliding window needs a causal "
+                             "module", op="attention", param="sliding_window",
+                             expected="a causal attention", got="is_causal=False")
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
-                               longest)
+                               kwargs.get("max_length_k"),
+                               window_left=None if window is None else window - 1)
         return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_length > 1 and module_causal
     if causal and kv_length > q_length:
         # Prefill of an empty static cache: the slots after the queries hold nothing yet.
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    out = attention(query, key, value, causal, scaling, attn_mask=attention_mask)
+    # Without a mask (`_mask`), a causal module's sliding window runs as the kernels' band.
+    window = (kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+              if attention_mask is None and module_causal else None)
+    out = attention(query, key, value, causal, scaling, attn_mask=attention_mask,
+                    window_left=None if window is None else window - 1)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _windowed_sequences(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        cu_q: torch.Tensor, cu_k: torch.Tensor, window: int,
-                        scaling: float | None) -> torch.Tensor:
-    """Packed causal sequences (``(1, H, T, D)``) under transformers' sliding window (query
-    ``i`` sees keys ``i - window < j <= i``): each sequence by `opforge.attention` with
-    that band as its mask; ``(1, T, H, Dv)``."""
-    outs = []
-    for (q_start, q_end), (k_start, k_end) in zip(itertools.pairwise(cu_q.tolist()),
-                                                  itertools.pairwise(cu_k.tolist()),
-                                                  strict=True):
-        sq, sk = q_end - q_start, k_end - k_start
-        outs.append(attention(query[:, :, q_start:q_end], key[:, :, k_start:k_end],
-                              value[:, :, k_start:k_end], False, scaling,
-                              attn_mask=band_mask(sq, sk, window - 1, 0, sk - sq,
-                                                  query.device)))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _rope_function(mode: str) -> Callable:
@@ -350,13 +331,36 @@ def _fused_loss_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
+          local_size: int | None = None, allow_is_causal_skip: bool = True,
+          config: object = None, **kwargs: object) -> torch.Tensor | None:
+    """The mask opforge's attention gets: SDPA's boolean one (None when the causal rule
+    alone says it), and None too for a plain sliding-window causal mask that the causal
+    rule would skip (no padding; one query, or as many queries as keys): `attention_forward`
+    then runs the module's window as the kernels' band, which skips the key blocks outside
+    it instead of reading an ``Sq x Sk`` mask. transformers allows the skip only for the
+    unmodified pattern (no packing or overlay) and passes the window as ``local_size``;
+    a chunked pattern (``attention_chunk_size``) keeps its mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if (local_size is not None and allow_is_causal_skip
+            and local_size == getattr(config, "sliding_window", None)
+            and getattr(config, "attention_chunk_size", None) is None
+            and (q_length == 1 or q_length == kv_length)
+            and not torch.compiler.is_compiling()
+            and (attention_mask is None or bool(attention_mask.all()))):
+        return None
+    return sdpa_mask(q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                     config=config, **kwargs)
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    # The boolean masks (None when the causal rule alone says it) that SDPA gets.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, _mask)
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:

@@ -25,7 +25,6 @@ from opforge.functional import (
     rope,
 )
 from opforge.library import call
-from opforge.ops.attention import band_mask
 from opforge.ops.attention_varlen import attention_varlen
 from opforge.ops.swiglu import SWIGLU
 
@@ -175,33 +174,33 @@ ALL_TOKENS = 2147483647
 SPARSE_MODES = (0, 1, 2, 3, 4)
 
 
-def _band(sq: int, sk: int, pre_tockens: int, next_tockens: int, offset: int,
-          device: torch.device) -> torch.Tensor | None:
-    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``-pre <= j - (i + offset)
-    <= next``; None when the band holds every pair."""
-    if pre_tockens >= sq + sk and next_tockens >= sq + sk:
-        return None
-    return band_mask(sq, sk, pre_tockens, next_tockens, offset, device)
+def _tokens(limit: int, shift: int) -> int | None:
+    """A CANN token limit as an opforge window side (bottom-right aligned after ``shift``);
+    None for CANN's "no limit"."""
+    return None if limit >= ALL_TOKENS else limit + shift
 
 
-def _fusion_mask(sq: int, sk: int, atten_mask: torch.Tensor | None, sparse_mode: int,
-                 pre_tockens: int, next_tockens: int, device: torch.device
-                 ) -> tuple[torch.Tensor | None, bool]:
-    """(opforge's boolean mask, True where seen; bottom-right causal) for one sequence under
-    a sparse mode: 0 the given mask within a band aligned top-left, 1 the given mask, 2
-    causal aligned top-left, 3 causal aligned bottom-right, 4 a band aligned bottom-right.
-    Modes 2-4 build their own mask (CANN's compressed 2048 x 2048 one is not read)."""
+def _fusion_rule(sq: int, sk: int, atten_mask: torch.Tensor | None, sparse_mode: int,
+                 pre_tockens: int, next_tockens: int
+                 ) -> tuple[torch.Tensor | None, int | None, int | None]:
+    """(opforge's boolean mask, True where seen; window_left; window_right) for one
+    sequence under a sparse mode, the window counted from opforge's bottom-right diagonal
+    ``i + Sk - Sq``: 0 the given mask within the band ``-pre <= j - i <= next`` (aligned
+    top-left), 1 the given mask, 2 causal aligned top-left (``j <= i``), 3 causal aligned
+    bottom-right, 4 the band aligned bottom-right. The bands run in the kernels (blocks
+    outside them skipped); modes 2-4 ignore ``atten_mask`` (CANN's compressed 2048 x 2048
+    form of their own rule)."""
+    offset = sk - sq
     if sparse_mode == 3:
-        return None, True
+        return None, None, 0
     if sparse_mode == 2:
-        return (None, True) if sq == sk else (_band(sq, sk, ALL_TOKENS, 0, 0, device), False)
+        return None, None, -offset
     if sparse_mode == 4:
-        return _band(sq, sk, pre_tockens, next_tockens, sk - sq, device), False
+        return None, _tokens(pre_tockens, 0), _tokens(next_tockens, 0)
     keep = None if atten_mask is None else ~atten_mask.bool()
-    if sparse_mode == 0:
-        band = _band(sq, sk, pre_tockens, next_tockens, 0, device)
-        keep = band if keep is None else keep if band is None else keep & band
-    return keep, False
+    if sparse_mode == 1:
+        return keep, None, None
+    return keep, _tokens(pre_tockens, offset), _tokens(next_tockens, -offset)
 
 
 def _with_pse(keep: torch.Tensor | None, pse: torch.Tensor | None, scale: float,
@@ -230,12 +229,15 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     ``softmax(mask(scale * (q k^T + pse))) v`` in ``input_layout`` ``BSH``, ``SBH``,
     ``BSND``, ``BNSD`` or ``TND`` (packed sequences with cumulative ``actual_seq_qlen`` /
     ``actual_seq_kvlen``, each sequence run on its own rows: no ``T x T`` mask).
+    Sparse modes 2-4 and mode 0's band run as opforge's window (`opforge.attention`'s
+    ``window_left`` / ``window_right``): the kernels skip the key blocks outside the band,
+    and no ``Sq x Sk`` mask is built.
 
     ``atten_mask`` is CANN's: True (1) hides a key; shapes ``(B, N, Sq, Sk)``, ``(B, 1, Sq,
     Sk)``, ``(1, 1, Sq, Sk)`` or ``(Sq, Sk)``. ``sparse_mode``: 0 the mask within the band
     ``-pre_tockens <= j - i <= next_tockens``; 1 the mask as given; 2 causal aligned
     top-left; 3 causal aligned bottom-right; 4 the band aligned bottom-right (modes 2-4
-    build their own mask and ignore ``atten_mask``, CANN's compressed form of it). ``pse``
+    ignore ``atten_mask``, CANN's compressed form of their own rule). ``pse``
     (``(B|1, N, Sq, Sk)``) is added before the scale and gets no gradient. A query that sees
     no key gets 0 (CANN leaves such rows undefined).
 
@@ -270,11 +272,12 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                         expected="BSH | SBH | BSND | BNSD | TND", got=input_layout)
     sq = query.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[input_layout]]
     sk = key.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[input_layout]]
-    keep, causal = _fusion_mask(sq, sk, atten_mask, sparse_mode, pre_tockens, next_tockens,
-                                query.device)
-    out, lse = attention(query, key, value, causal, scale, True,
+    keep, left, right = _fusion_rule(sq, sk, atten_mask, sparse_mode, pre_tockens,
+                                     next_tockens)
+    out, lse = attention(query, key, value, False, scale, True,
                          attn_mask=_with_pse(keep, pse, scale, query.dtype),
-                         layout=input_layout, heads=head_num)
+                         layout=input_layout, heads=head_num, window_left=left,
+                         window_right=right)
     softmax_max = lse.float()[..., None].expand(*lse.shape, 8).contiguous()
     return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
 
@@ -286,9 +289,9 @@ def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              actual_seq_kvlen: Sequence[int] | None, sparse_mode: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         int, int, int]:
-    """TND: `opforge.attention_varlen` when every sequence takes one rule it has (none, or
-    causal aligned bottom-right) and there is no pse; else each sequence's rows as a batch
-    of one (BSND views) under its own mask, outputs concatenated."""
+    """TND: `opforge.attention_varlen` when every sequence takes one window (from its own
+    bottom-right diagonal) and no mask, and there is no pse; else each sequence's rows as
+    a batch of one (BSND views) under its own rule, outputs concatenated."""
     if actual_seq_qlen is None or actual_seq_kvlen is None or \
             len(actual_seq_qlen) != len(actual_seq_kvlen):
         raise ShapeError("TND needs actual_seq_qlen and actual_seq_kvlen of one length",
@@ -304,30 +307,32 @@ def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              "token count", op="npu_fusion_attention", param=name,
                              expected=f"... ending at {total}", got=ends)
     spans = list(zip([0, *query_ends], query_ends, [0, *key_ends], key_ends, strict=False))
-    rules = [_fusion_mask(q_end - q_start, k_end - k_start, None if atten_mask is None
+    rules = [_fusion_rule(q_end - q_start, k_end - k_start, None if atten_mask is None
                           else atten_mask[..., :q_end - q_start, :k_end - k_start],
-                          sparse_mode, pre_tockens, next_tockens, query.device)
+                          sparse_mode, pre_tockens, next_tockens)
              for q_start, q_end, k_start, k_end in spans]
-    if pse is None and all(keep is None for keep, _ in rules) and \
-            len({causal for _, causal in rules}) <= 1:
+    windows = {(left, right) for _, left, right in rules}
+    if pse is None and all(keep is None for keep, _, _ in rules) and len(windows) <= 1:
+        left, right = windows.pop() if windows else (None, None)
         out, lse = attention_varlen(
             query, key, value, *(torch.tensor([0, *ends], dtype=torch.int32,
                                               device=query.device)
                                  for ends in (query_ends, key_ends)),
-            bool(rules and rules[0][1]), scale,
-            max((end - start for start, end, _, _ in spans), default=0),
-            max((end - start for _, _, start, end in spans), default=0), return_lse=True)
+            False, scale, max((end - start for start, end, _, _ in spans), default=0),
+            max((end - start for _, _, start, end in spans), default=0), return_lse=True,
+            window_left=left, window_right=right)
         softmax_max = lse.float().transpose(0, 1)[..., None].expand(
             *lse.shape[::-1], 8).contiguous()
         return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
     outs, statistics = [], []
-    for (q_start, q_end, k_start, k_end), (keep, causal) in zip(spans, rules, strict=True):
+    for (q_start, q_end, k_start, k_end), (keep, left, right) in zip(spans, rules,
+                                                                      strict=True):
         sq, sk = q_end - q_start, k_end - k_start
         out, lse = attention(query[None, q_start:q_end], key[None, k_start:k_end],
-                             value[None, k_start:k_end], causal, scale, True,
+                             value[None, k_start:k_end], False, scale, True,
                              attn_mask=_with_pse(keep, None if pse is None else
                                                  pse[..., :sq, :sk], scale, query.dtype),
-                             layout="BSND")
+                             layout="BSND", window_left=left, window_right=right)
         outs.append(out[0])
         statistics.append(lse[0].transpose(0, 1))  # (S, N)
     out = torch.cat(outs) if outs else value.new_empty((0, *value.shape[1:]))

@@ -9,27 +9,32 @@ inputs), the natural-log log-sum-exp of each row of scaled scores.
 
 ``causal`` masks aligned to the bottom-right: query ``i`` sees keys ``j <= i + Sk - Sq``
 (the last query sees every key, as in KV-cache decoding and FlashAttention). torch's
-``scaled_dot_product_attention(is_causal=True)`` aligns top-left (``j <= i``); the two agree
-only when ``Sq == Sk``. A query that sees no key (``Sq > Sk``, causal) gets ``out = 0`` and
-``lse = -inf``.
+``scaled_dot_product_attention(is_causal=True)`` aligns top-left (``j <= i``); the two
+agree only when ``Sq == Sk``. ``window_left`` / ``window_right`` bound a band around the
+same diagonal: query ``i`` sees keys ``i + Sk - Sq - window_left`` to ``i + Sk - Sq +
+window_right`` (a sliding window of ``W`` keys is ``causal`` with ``window_left = W - 1``;
+CANN's band, ``sparse_mode`` 4, is ``pre_tokens`` / ``next_tokens``). A query that sees no
+key (``Sq > Sk``, causal; a band past the keys) gets ``out = 0`` and ``lse = -inf``.
 
 Forward: each program holds a ``BLOCK_M`` block of queries and streams key/value blocks
-through an online softmax: float32 running max and sum, ``scale * log2(e)`` folded into
-one float32 multiply before ``exp2``, the probabilities rounded to v's dtype for the
-``P @ V`` product (the tensor cores' operand), float32 accumulation. No ``Sq x Sk`` matrix
-is ever stored. Blocks entirely visible skip the mask; only blocks crossing the causal
-diagonal or the sequence end apply it. The tiling's variant ``flash_tma`` reads keys and
-values through on-device tensor descriptors (TMA copies on Hopper and newer; the
-descriptor's bounds replace the masks), ``flash_tma_ws`` also warp-specializes the key
-loop; inputs that descriptors cannot address run the pointer kernel. The tiling lists
-these variants on CUDA after the pointer kernel, for autotuning (`opforge.core.autotune`)
-to measure; without it the pointer kernel runs. With grouped-query
-attention and few queries (decoding), the queries of the heads that share a key/value head
-fit one block: the tiling packs them (query-major rows), so that each key block is read
-once per group instead of once per head. When the query blocks of all heads would still
-leave cores idle (decoding: a few queries over a long KV cache), the tiling also cuts the
-keys into slices, one program each, whose float32 (out, lse) a second kernel merges by
-log-sum-exp (flash-decoding).
+through an online softmax: float32 running max and sum, ``scale * log2(e)`` folded into one
+float32 multiply before ``exp2``, the probabilities rounded to v's dtype for the ``P @ V``
+product (the tensor cores' operand), float32 accumulation. No ``Sq x Sk`` matrix is ever
+stored. Blocks entirely visible skip the mask; only blocks crossing the band's edges (the
+causal diagonal, a window's start) or the sequence end apply it, and the key blocks outside
+the band are never visited: a window of ``W`` keys costs ``O(Sq W)``. The tiling's variant
+``flash_tma`` reads keys and values through on-device tensor descriptors (TMA copies on
+Hopper and newer; the descriptor's bounds replace the masks), ``flash_tma_ws`` also
+warp-specializes the key loop; inputs that descriptors cannot address run the pointer
+kernel. The tiling lists these variants on CUDA after the pointer kernel, for autotuning
+(`opforge.core.autotune`) to measure; without it the pointer kernel runs. With
+grouped-query attention and few queries (decoding), the queries of the heads that share a
+key/value head fit one block: the tiling packs them (query-major rows), so that each key
+block is read once per group instead of once per head. When the query blocks of all heads
+would still leave cores idle (decoding: a few queries over a long KV cache), the tiling
+also cuts the keys into slices, one program each, whose float32 (out, lse) a second kernel
+merges by log-sum-exp (flash-decoding); under a window the slices divide the band a query
+block sees, not the whole cache.
 
 Backward (``attention_backward``), by recomputation from ``lse``: ``delta = rowsum(dout *
 out) - grad_lse``, then one kernel per key block accumulates ``dk`` and ``dv`` over every
@@ -108,6 +113,41 @@ MASK = TensorArg("mask", dtypes=(torch.bool, torch.float32, torch.float16, torch
                                  torch.float64), optional=True,
                  doc="(B|1, H|1, Sq|1, Sk|1): bool (True: seen) or added to the scores")
 SCALE = Attr("scale", "float", None, doc="score scale; None: 1 / sqrt(D)")
+WINDOW_LEFT = Attr("window_left", "int", None,
+                   doc="hide keys before i + Sk - Sq - window_left; None: none")
+WINDOW_RIGHT = Attr("window_right", "int", None,
+                    doc="hide keys after i + Sk - Sq + window_right; None: none")
+ATTRS = (CAUSAL, SCALE, WINDOW_LEFT, WINDOW_RIGHT)
+
+# Keys a query sees around its diagonal key ``i + Sk - Sq``: (before, after), None where
+# unbounded.
+Limits = tuple[int | None, int | None]
+
+
+def key_limits(causal: bool, window_left: int | None, window_right: int | None) -> Limits:
+    """(before, after): query ``i`` sees the keys ``j`` with ``i + Sk - Sq - before <= j <=
+    i + Sk - Sq + after``, None where unbounded; ``causal`` caps ``after`` at 0 (the
+    intersection of the causal mask and the window)."""
+    if causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    return window_left, window_right
+
+
+def limits_of(attrs: Attrs) -> Limits:
+    return key_limits(attrs["causal"], attrs["window_left"], attrs["window_right"])
+
+
+def _reach(limits: Limits, sq: int, sk: int) -> tuple[bool, int, int]:
+    """The kernels' band: (whether one applies, keys before the diagonal, keys after),
+    clamped to ``[-Sq, Sk]`` and ``[-Sk, Sq]`` (past them every key, or none, is seen
+    alike: 32-bit arithmetic stays exact). For packed sequences ``Sq, Sk`` are the token
+    counts, at least any sequence's."""
+    before, after = limits
+    if before is None and after is None:
+        return False, 0, 0
+    before = sk if before is None else min(max(before, -sq), sk)
+    after = sq if after is None else min(max(after, -sk), sq)
+    return True, before, after
 
 
 def _shapes(q: object, k: object, v: object, op: str) -> tuple[int, ...]:
@@ -198,20 +238,21 @@ def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
     return [inputs[0].dtype, statistics_dtype(inputs[0].dtype)]
 
 
-def _visible_pairs(sq: int, sk: int, causal: bool) -> int:
-    """(query, key) pairs a head computes: all of them, or those under the diagonal."""
-    if not causal:
+def _visible_pairs(sq: int, sk: int, limits: Limits) -> int:
+    """(query, key) pairs a head computes: those within the ``limits`` (`key_limits`)."""
+    before, after = limits
+    if before is None and after is None:
         return sq * sk
-    offset = sk - sq
-    # query i sees min(sk, max(0, i + offset + 1)) keys.
-    full_from = max(0, min(sq, sk - offset))
-    seen = sum(min(sk, max(0, i + offset + 1)) for i in range(full_from))
-    return seen + (sq - full_from) * sk
+    diagonal = torch.arange(sq, dtype=torch.int64) + (sk - sq)
+    first = torch.zeros_like(diagonal) if before is None else (diagonal - before).clamp(min=0)
+    last = torch.full_like(diagonal, sk - 1) if after is None \
+        else (diagonal + after).clamp(max=sk - 1)
+    return int((last - first + 1).clamp(min=0).sum())
 
 
 def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[:3], "attention")
-    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
+    pairs = b * h * _visible_pairs(sq, sk, limits_of(attrs))
     item = inputs[0].itemsize
     return Cost(flops=2 * pairs * (d + dv),
                 bytes_moved=item * (b * h * sq * (d + dv) + b * hkv * sk * (d + dv))
@@ -324,13 +365,25 @@ def _tiles(sq: int, sk: int, d: int, dv: int, item: int, hardware: HardwareProfi
 MERGE_ROWS = 64
 
 
-def _key_splits(query_blocks: int, heads: int, sk: int, block_n: int,
+def _key_splits(query_blocks: int, heads: int, keys: int, block_n: int,
                 hardware: HardwareProfile) -> int:
-    """Slices of the keys in the forward (flash-decoding): when the query blocks of every
-    head leave cores idle (decoding: a few queries over a long cache), each program takes
-    one slice of the keys and a second kernel merges the slices by their log-sum-exp
-    (`work_splits`: two programs a core, each slice at least 4 key blocks long)."""
-    return work_splits(query_blocks * heads, sk // block_n, hardware)
+    """Slices of the ``keys`` a query block sees in the forward (flash-decoding): when the
+    query blocks of every head leave cores idle (decoding: a few queries over a long
+    cache), each program takes one slice of the keys and a second kernel merges the
+    slices by their log-sum-exp (`work_splits`: two programs a core, each slice at least 4
+    key blocks long)."""
+    return work_splits(query_blocks * heads, keys // block_n, hardware)
+
+
+def _block_keys(tiling: Tiling, attrs: Attrs, h: int, hkv: int, sq: int, sk: int) -> int:
+    """The keys the slices of a query block cover, from its first visible key block: all
+    ``Sk``, or under a window the band its queries see (their spread, the window and a
+    block of alignment; the kernel's `_key_ranges` stay within it)."""
+    band, before, after = _reach(limits_of(attrs), sq, sk)
+    if not band:
+        return sk
+    queries = cdiv(tiling.blocks["BLOCK_M"], _pack(tiling, h, hkv))
+    return min(sk, max(0, queries + before + after) + tiling.blocks["BLOCK_N"])
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -339,8 +392,9 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     tilings = _tiles(sq, sk, d, dv, inputs[0].itemsize, hardware, backward=False,
                      group=h // hkv)
     return [Tiling(t.variant, t.blocks, t.onchip_bytes, t.double_buffered,
-                   {**t.options, "splits": _key_splits(*_program_counts(t, b, h, hkv, sq), sk,
-                                                       t.blocks["BLOCK_N"], hardware)})
+                   {**t.options, "splits": _key_splits(
+                       *_program_counts(t, b, h, hkv, sq),
+                       _block_keys(t, attrs, h, hkv, sq, sk), t.blocks["BLOCK_N"], hardware)})
             for t in tilings]
 
 
@@ -365,11 +419,13 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
     return max(1, min(blocks, MAX_PROGRAMS)), max(1, min(groups, MAX_PROGRAMS))
 
 
-def _key_slices(tiling: Tiling, sk: int) -> tuple[int, int]:
-    """(keys a slice holds, slices that hold any): whole key blocks per slice, as few
-    slices as the tiling's ``splits`` allow."""
+def _key_slices(tiling: Tiling, keys: int) -> tuple[int, int]:
+    """(keys a slice holds, slices that hold any) of a query block's ``keys``
+    (`_block_keys`): whole key blocks per slice, as few slices as the tiling's ``splits``
+    allow."""
     block_n = tiling.blocks["BLOCK_N"]
-    blocks_per_split, slices = split_steps(cdiv(sk, block_n), tiling.options.get("splits", 1))
+    blocks_per_split, slices = split_steps(cdiv(keys, block_n),
+                                           tiling.options.get("splits", 1))
     return blocks_per_split * block_n, slices
 
 
@@ -378,8 +434,8 @@ def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs:
     """The forward kernel's cost, and with key slices the merge kernel's: the float32
     partials the first writes instead of out and lse, and the second reads back."""
     cost = _cost(inputs, outputs, attrs)
-    b, h, _, sq, sk, _, dv = _shapes(*inputs[:3], "attention")
-    _, slices = _key_slices(tiling, sk)
+    b, h, hkv, sq, sk, _, dv = _shapes(*inputs[:3], "attention")
+    _, slices = _key_slices(tiling, _block_keys(tiling, attrs, h, hkv, sq, sk))
     if slices <= 1:
         return {"_attention_forward_kernel": cost}
     rows = b * h * sq
@@ -445,6 +501,15 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
                                    bias(1, 3, 23, 40))),
         Case("additive_float32_decode", (x(2, 4, 2, 64), x(2, 1, 70, 64), x(2, 1, 70, 64),
                                          bias(2, 1, 2, 70).float()), {"causal": True}),
+        # Bands: a sliding window (Mistral's), one off the diagonal on both sides (CANN's
+        # sparse mode 4), a window over padded keys in decoding.
+        Case("sliding_window_gqa", (x(1, 4, 45, 32), x(1, 2, 45, 32), x(1, 2, 45, 32), None),
+             {"causal": True, "window_left": 7}),
+        Case("band_off_diagonal", (x(1, 2, 30, 16), x(1, 2, 50, 16), x(1, 2, 50, 16), None),
+             {"window_left": 4, "window_right": -2}),
+        Case("window_padding_decode", (x(2, 2, 3, 64), x(2, 2, 40, 64), x(2, 2, 40, 64),
+                                       padding(2, 1, 1, 40, (40, 35))),
+             {"causal": True, "window_left": 9}),
     ]
     return cases
 
@@ -477,29 +542,31 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def causal_mask(sq: int, sk: int, device: torch.device | str | None = None,
-                rows: slice | None = None) -> torch.Tensor:
-    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``j <= i + Sk - Sq``; only
-    the query rows ``rows`` when given."""
+def visible_keys(sq: int, sk: int, limits: Limits, device: torch.device | str | None = None,
+                 rows: slice | None = None) -> torch.Tensor | None:
+    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j`` within the ``limits``
+    (`key_limits`); only the query rows ``rows`` when given; None when nothing is
+    hidden."""
+    before, after = limits
+    if before is None and after is None:
+        return None
     first, stop = (0, sq) if rows is None else (rows.start, rows.stop)
-    queries = torch.arange(first, stop, device=device)[:, None]
-    return torch.arange(sk, device=device)[None, :] <= queries + (sk - sq)
-
-
-def band_mask(sq: int, sk: int, before: int, after: int, offset: int,
-              device: torch.device | str | None = None) -> torch.Tensor:
-    """``(Sq, Sk)`` bool, True where query ``i`` sees key ``j``: ``-before <= j - (i +
-    offset) <= after`` (``offset`` ``Sk - Sq`` aligns the band bottom-right, 0 top-left)."""
     shift = (torch.arange(sk, device=device)[None, :]
-             - torch.arange(sq, device=device)[:, None] - offset)
-    return (shift <= after) & (shift >= -before)
+             - torch.arange(first, stop, device=device)[:, None] - (sk - sq))
+    seen = torch.ones_like(shift, dtype=torch.bool)
+    if before is not None:
+        seen &= shift >= -before
+    if after is not None:
+        seen &= shift <= after
+    return seen
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, limits: Limits,
             scale: float | None, compute_dtype: torch.dtype, rows: slice | None = None
             ) -> torch.Tensor:
-    """Scaled scores in ``compute_dtype`` plus an additive ``mask``, keys a boolean or the
-    causal mask hides at -inf; of the query rows ``rows`` only when given."""
+    """Scaled scores in ``compute_dtype`` plus an additive ``mask``, keys a boolean mask or
+    the ``limits`` (`key_limits`) hide at -inf; of the query rows ``rows`` only when
+    given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sq = q.shape[2]
     rows = slice(0, sq) if rows is None else rows
@@ -510,8 +577,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal:
         mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool \
             else scores + mask.to(compute_dtype)
-    if causal:
-        scores = scores.masked_fill(~causal_mask(sq, k.shape[2], q.device, rows), -math.inf)
+    seen = visible_keys(sq, k.shape[2], limits, q.device, rows)
+    if seen is not None:
+        scores = scores.masked_fill(~seen, -math.inf)
     return scores
 
 
@@ -541,7 +609,7 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
     ``|scale| sum_d |q_d k_jd|``) moves ``out`` by ``sum_j p_j e_j (v_j - out)`` and
     ``lse`` by ``sum_j p_j e_j``. Rows that see no key get 1."""
     q, k, v, mask = inputs[:4]
-    scores = _scores(q, k, mask, attrs["causal"], attrs["scale"], torch.float64)
+    scores = _scores(q, k, mask, limits_of(attrs), attrs["scale"], torch.float64)
     lse = torch.logsumexp(scores, -1, keepdim=True)
     p = _probabilities(scores, lse)
     scale = abs(q.shape[-1] ** -0.5 if attrs["scale"] is None else attrs["scale"])
@@ -560,21 +628,23 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None, causal: bool, scale: float | None
+                     mask: torch.Tensor | None, causal: bool, scale: float | None,
+                     window_left: int | None = None, window_right: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch SDPA (the bottom-right causal mask given explicitly, combined with ``mask``)
-    and logsumexp of the scores in the inputs' dtype"""
+    """torch SDPA (the bottom-right causal mask and the window given explicitly, combined
+    with ``mask``) and logsumexp of the scores in the inputs' dtype"""
     heads = q.shape[1]
     keys, values = _expand_heads(k, heads), _expand_heads(v, heads)
     combined = mask.to(q.dtype) if mask is not None and mask.dtype != torch.bool else mask
-    if causal:
-        visible = causal_mask(q.shape[2], k.shape[2], q.device)
+    limits = key_limits(causal, window_left, window_right)
+    visible = visible_keys(q.shape[2], k.shape[2], limits, q.device)
+    if visible is not None:
         combined = visible if combined is None else (
             combined & visible if combined.dtype == torch.bool
             else combined.masked_fill(~visible, -math.inf))
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values,
                                                            attn_mask=combined, scale=scale)
-    scores = _scores(q, k, mask, causal, scale, q.dtype)
+    scores = _scores(q, k, mask, limits, scale, q.dtype)
     lse = torch.logsumexp(scores.float(), -1)
     # SDPA gives NaN for a query that sees no key; opforge gives 0.
     return torch.where((lse == -math.inf)[..., None], 0.0, out).to(q.dtype), lse
@@ -620,7 +690,7 @@ ATTENTION = OpDef(
     name="attention", doc="Flash-style scaled dot-product attention [B, H, S, D] with GQA "
                           "and bottom-right causal masking; out and the float32 lse.",
     inputs=(TensorArg("q"), TensorArg("k"), TensorArg("v"), MASK),
-    outputs=(OutputArg("out"), OutputArg("lse")), attrs=(CAUSAL, SCALE),
+    outputs=(OutputArg("out"), OutputArg("lse")), attrs=ATTRS,
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
     tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
     samples=_samples, error_scale=_attention_scale,
@@ -663,7 +733,7 @@ def _backward_sides(inputs: Specs, attrs: Attrs) -> dict[str, Cost]:
     key and value once and writes dq and delta, the key side reads q, dout, lse, delta and
     every key and value, and writes dk and dv; each reads the mask."""
     b, h, hkv, sq, sk, d, dv = _shapes(*inputs[1:4], "attention_backward")
-    pairs = b * h * _visible_pairs(sq, sk, attrs["causal"])
+    pairs = b * h * _visible_pairs(sq, sk, limits_of(attrs))
     item = inputs[1].itemsize
     statistics = 2 * b * h * sq * 4 + _mask_bytes(inputs[7])
     keys = b * hkv * sk * (d + dv) * item
@@ -713,12 +783,14 @@ def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, ou
 
 def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, causal: bool, scale: float | None,
+                     window_left: int | None, window_right: int | None,
                      generator: torch.Generator, with_grad_lse: bool = False
                      ) -> tuple[torch.Tensor | None, ...]:
     """(dout, q, k, v, out, lse, grad_lse, mask): out and lse from the float64 forward
     rounded to their dtypes, dout drawn like q."""
     out, lse = reference(q.double(), k.double(), v.double(), mask, compute_dtype=torch.float64,
-                         causal=causal, scale=scale)
+                         causal=causal, scale=scale, window_left=window_left,
+                         window_right=window_right)
     dout = torch.randn(out.shape, generator=generator).to(q.device, q.dtype)
     statistics = statistics_dtype(q.dtype)
     grad_lse = torch.randn(lse.shape, generator=generator).to(q.device, statistics) \
@@ -735,8 +807,9 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
                                                       generator=generator), case.attrs))
     q, k, v = (random_input((1, 2, 21, 32), dtype, device, generator, scale=1.0)
                for _ in range(3))
-    cases.append(Case("with_grad_lse", _backward_inputs(q, k, v, None, True, None, generator,
-                                                        True), {"causal": True}))
+    cases.append(Case("with_grad_lse", _backward_inputs(q, k, v, None, True, None, None,
+                                                        None, generator, True),
+                      {"causal": True}))
     return cases
 
 
@@ -761,11 +834,13 @@ def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: 
 def _torch_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               grad_lse: torch.Tensor | None, mask: torch.Tensor | None,
-                              causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
+                              causal: bool, scale: float | None,
+                              window_left: int | None = None, window_right: int | None = None
+                              ) -> tuple[torch.Tensor, ...]:
     """torch.autograd through SDPA and logsumexp in the inputs' dtype"""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
-        out, lse = _torch_attention(*leaves, mask, causal, scale)
+        out, lse = _torch_attention(*leaves, mask, causal, scale, window_left, window_right)
         grads = [dout] if grad_lse is None else [dout, grad_lse]
         return torch.autograd.grad((out, lse)[:len(grads)], leaves, grads)
 
@@ -777,7 +852,7 @@ ATTENTION_BACKWARD = OpDef(
             TensorArg("out"), TensorArg("lse", dtypes=STATISTICS_DTYPES),
             TensorArg("grad_lse", dtypes=STATISTICS_DTYPES, optional=True), MASK),
     outputs=(OutputArg("grad_q"), OutputArg("grad_k"), OutputArg("grad_v")),
-    attrs=(CAUSAL, SCALE), infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
+    attrs=ATTRS, infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check_backward, cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,
     workspace=_backward_workspace, kernel_costs=_backward_kernel_costs,
     samples=_backward_samples, error_scale=_backward_scale,
@@ -793,15 +868,17 @@ ATTENTION_BACKWARD = OpDef(
 
 @ATTENTION.reference
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              *, compute_dtype: torch.dtype, causal: bool, scale: float | None
+              *, compute_dtype: torch.dtype, causal: bool, scale: float | None,
+              window_left: int | None = None, window_right: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype``, the score
     matrix of a bounded chunk of query rows at a time (`_query_chunks`)."""
+    limits = key_limits(causal, window_left, window_right)
     values = _expand_heads(v, q.shape[1]).to(compute_dtype)
     out = values.new_empty((*q.shape[:3], v.shape[3]))
     lse = values.new_empty(q.shape[:3])
     for rows in _query_chunks(q, k.shape[2]):
-        scores = _scores(q, k, mask, causal, scale, compute_dtype, rows)
+        scores = _scores(q, k, mask, limits, scale, compute_dtype, rows)
         lse[:, :, rows] = _undefined_as_nan(torch.logsumexp(scores, -1))
         out[:, :, rows] = torch.matmul(_probabilities(scores, lse[:, :, rows, None]), values)
     return out, lse
@@ -817,7 +894,9 @@ def _undefined_as_nan(lse: torch.Tensor) -> torch.Tensor:
 def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                     mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
-                    scale: float | None, magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
+                    scale: float | None, window_left: int | None = None,
+                    window_right: int | None = None, magnitudes: bool = False
+                    ) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them, a
     bounded chunk of query rows at a time (dK and dV summed over the chunks);
     ``magnitudes``: every term by its absolute value."""
@@ -837,7 +916,8 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     grad_q = torch.empty_like(q)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     for rows in _query_chunks(q, k.shape[2]):
-        p = _probabilities(_scores(q, k, mask, causal, scale, compute_dtype, rows),
+        p = _probabilities(_scores(q, k, mask, key_limits(causal, window_left, window_right),
+                                   scale, compute_dtype, rows),
                            lse[:, :, rows, None])
         if magnitudes:
             # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e):
@@ -862,10 +942,12 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                        mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
-                       scale: float | None) -> tuple[torch.Tensor, ...]:
+                       scale: float | None, window_left: int | None = None,
+                       window_right: int | None = None) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in ``compute_dtype`` from the saved ``out`` and ``lse``."""
     return _backward_terms(dout, q, k, v, out, lse, grad_lse, mask,
-                           compute_dtype=compute_dtype, causal=causal, scale=scale)
+                           compute_dtype=compute_dtype, causal=causal, scale=scale,
+                           window_left=window_left, window_right=window_right)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -878,18 +960,57 @@ if triton is not None:
     POS_INF = tl.constexpr(float("inf"))
 
     @triton.jit
-    def _key_ranges(first_query, last_query, Sk, offset, CAUSAL: tl.constexpr,
+    def _key_ranges(first_query, last_query, Sk, offset, before, after, BAND: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-        """(end of the key blocks every query of a block, queries ``first_query`` to
-        ``last_query``, sees entirely; end of the keys any of them sees): the first range
-        needs no mask."""
-        end = Sk
+        """(start, full_start, full_end, end) of the keys the queries ``first_query`` to
+        ``last_query`` see: the key blocks in [full_start, full_end) are seen entirely by
+        every query of the block (no mask); [start, min(full_start, end)) and
+        [max(full_end, full_start), end) need the mask. With ``BAND``, query ``i`` sees
+        keys ``i + offset - before`` to ``i + offset + after`` (`_reach`). Bounds clamp to
+        0 before a division: integer division truncates toward zero."""
+        start = 0
+        full_start = 0
         full_end = (Sk // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            end = tl.maximum(tl.minimum(Sk, last_query + 1 + offset), 0)
-            diagonal = (tl.maximum(first_query + offset + 1, 0) // BLOCK_N) * BLOCK_N
-            full_end = tl.minimum(full_end, diagonal)
-        return full_end, end
+        end = Sk
+        if BAND:
+            end = tl.minimum(tl.maximum(last_query + offset + after + 1, 0), Sk)
+            start = (tl.maximum(first_query + offset - before, 0) // BLOCK_N) * BLOCK_N
+            # A last block's rows past Sq see what the last query sees, no more.
+            last_diagonal = tl.minimum(last_query + offset, Sk - 1)
+            full_start = tl.maximum(
+                tl.cdiv(tl.maximum(last_diagonal - before, 0), BLOCK_N) * BLOCK_N, start)
+            full_end = tl.minimum(
+                full_end, (tl.maximum(first_query + offset + after + 1, 0) // BLOCK_N) * BLOCK_N)
+        return start, full_start, full_end, end
+
+    @triton.jit
+    def _query_ranges(first_key, last_key, Sq, offset, before, after, BAND: tl.constexpr,
+                      BLOCK_Q: tl.constexpr):
+        """`_key_ranges` seen from the keys: (start, full_start, full_end, end) of the
+        queries that see the keys ``first_key`` to ``last_key``; [full_start, full_end)
+        see all of them. Queries past ``Sq`` read lse +inf (P = 0): the full range may run
+        to ``Sq`` unmasked."""
+        start = 0
+        full_start = 0
+        full_end = Sq
+        end = Sq
+        if BAND:
+            end = tl.minimum(tl.maximum(last_key - offset + before + 1, 0), Sq)
+            start = (tl.maximum(first_key - offset - after, 0) // BLOCK_Q) * BLOCK_Q
+            full_start = tl.maximum(
+                tl.cdiv(tl.maximum(last_key - offset - after, 0), BLOCK_Q) * BLOCK_Q, start)
+            reach = first_key - offset + before + 1  # queries below it see first_key
+            full_end = tl.where(reach >= Sq, Sq,
+                                (tl.maximum(reach, 0) // BLOCK_Q) * BLOCK_Q)
+        return start, full_start, full_end, end
+
+    @triton.jit
+    def _two_ranges(step, first_start, first_steps, second_start, BLOCK: tl.constexpr):
+        """The first column of loop step ``step`` over two block ranges: ``first_steps``
+        blocks from ``first_start``, then blocks from ``second_start`` (a band's masked
+        blocks lie on both sides of its unmasked ones: one loop, one inlined body)."""
+        return tl.where(step < first_steps, first_start + step * BLOCK,
+                        second_start + (step - first_steps) * BLOCK)
 
     @triton.jit
     def _rows_of(cu_ptr, index, total, VARLEN: tl.constexpr):
@@ -915,22 +1036,23 @@ if triton is not None:
         return q_start, queries, k_start, keys
 
     @triton.jit
-    def _heavy_first(index, blocks, CAUSAL: tl.constexpr):
-        """The query block that program slot ``index`` takes: with a causal mask the last
-        blocks see the most keys, so they go first and the light ones fill the tail of
-        the grid (programs start in index order); without it, in order."""
-        if CAUSAL:
+    def _heavy_first(index, blocks, BAND: tl.constexpr):
+        """The query block that program slot ``index`` takes: under a causal mask the last
+        blocks see the most keys, so with a band they go first and the light ones fill the
+        tail of the grid (programs start in index order); without it, in order."""
+        if BAND:
             return blocks - 1 - index
         else:
             return index
 
     @triton.jit
-    def _visible(rows, cols, Sk, offset, CAUSAL: tl.constexpr):
+    def _visible(rows, cols, Sk, offset, before, after, BAND: tl.constexpr):
         """Which (query, key) pairs are seen; ``rows`` and ``cols`` already broadcast to
         the tile's orientation (queries x keys, or keys x queries on the key side)."""
         visible = cols < Sk
-        if CAUSAL:
-            visible = visible & (cols <= rows + offset)
+        if BAND:
+            diagonal = rows + offset
+            visible = visible & (cols <= diagonal + after) & (cols >= diagonal - before)
         return visible
 
     @triton.jit
@@ -987,9 +1109,9 @@ if triton is not None:
 
     @triton.jit
     def _forward_step(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
-                      stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV,
-                      qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
-                      CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
+                      after, D, DV, qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                      BAND: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, FOLD_SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1015,8 +1137,8 @@ if triton is not None:
                                   stride_mn, MASK, False)
         if MASKED:
             cols = first_col + tl.arange(0, BLOCK_N)
-            scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL),
-                              scores, NEG_INF)
+            scores = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, before,
+                                       after, BAND), scores, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(scores, 1) * fold)
         # A row with no visible key yet keeps max -inf; 0 avoids -inf - -inf.
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
@@ -1029,47 +1151,59 @@ if triton is not None:
 
     @triton.jit
     def _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
-                      stride_kd, stride_vn, stride_vd, rows, start, end, Sk, offset, D, DV,
-                      qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
-                      CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
-                      DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                      FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
-        """The online softmax over the key blocks in [start, end). ``WARP_SPECIALIZE``
-        asks Triton to split the loop into producer (TMA copies) and consumer warps; the
-        keyword exists only in Triton versions that have it, so the plain loop never
-        names it."""
+                      stride_kd, stride_vn, stride_vd, rows, start, end, second_start,
+                      second_end, Sk, offset, before, after, D, DV, qk_scale, mask_rows,
+                      row_ok, stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
+                      MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                      WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """The online softmax over the key blocks in [start, end), and when ``MASKED``
+        then those in [second_start, second_end) (a band's masked blocks on both sides).
+        ``WARP_SPECIALIZE`` asks Triton to split the loop into producer (TMA copies) and
+        consumer warps; the keyword exists only in Triton versions that have it, so the
+        other loops never name it."""
         if WARP_SPECIALIZE:
             for first_col in tl.range(start, end, BLOCK_N, warp_specialize=True):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
-                    stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
-                    WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+        elif MASKED:
+            first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+            steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_N)
+            for step in range(0, steps):
+                first_col = _two_ranges(step, start, first_steps, second_start, BLOCK_N)
+                acc, m_i, l_i = _forward_step(
+                    acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
-                    stride_vn, stride_vd, rows, first_col, Sk, offset, D, DV, qk_scale,
-                    mask_rows, row_ok, stride_mn, MASK, CAUSAL, MASKED, UPCAST, PRECISION,
-                    WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
     @triton.jit
     def _attention_forward_kernel(
             q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, Sq, Sk, H,
-            GROUP, head_offset, heads, keys_per_split, qk_scale, stride_qb, stride_qh,
-            stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-            stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
-            MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            GROUP, head_offset, heads, keys_per_split, qk_scale, before, after, stride_qb,
+            stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_mm,
+            stride_mn, D, DV, MASK: tl.constexpr, BAND: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
             EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, FOLD_SCALE: tl.constexpr,
             VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per block of ``BLOCK_M`` rows and one slice of the keys (``program_id(2)``; one
-        slice holding every key unless the keys are split): out and lse of the slice, into
+        slice holding every key the block sees unless the keys are split; slices count
+        from the block's first visible key block): out and lse of the slice, into
         ``out``/``lse`` or, split, into the float32 partials of slice ``program_id(2)``
         (laid out ``[slices, heads, Sq, DV]`` and ``[slices, heads, Sq]``). A program's
         rows are the queries of one head, or with ``PACK`` > 1 (GQA decoding) the queries
@@ -1089,8 +1223,6 @@ if triton is not None:
         first_head = (group_index % (H // PACK)) * PACK
         total_q = Sq
         q_start, Sq, k_start, Sk = _sequence(cu_q_ptr, cu_k_ptr, batch, Sq, Sk, VARLEN)
-        split_start = tl.program_id(2) * keys_per_split
-        split_end = split_start + keys_per_split
         q_base = q_ptr + batch * stride_qb + q_start * stride_qm
         k_base = k_ptr + batch * stride_kb + k_start * stride_kn \
             + (first_head // GROUP) * stride_kh
@@ -1105,7 +1237,7 @@ if triton is not None:
         value_dims = tl.arange(0, BLOCK_DV)
         blocks = tl.cdiv(Sq * PACK, BLOCK_M)
         for index in range(tl.program_id(0), blocks, tl.num_programs(0)):
-            block = _heavy_first(index, blocks, CAUSAL)
+            block = _heavy_first(index, blocks, BAND)
             first_row = block * BLOCK_M
             rows = first_row + tl.arange(0, BLOCK_M)
             if WIDE:
@@ -1121,26 +1253,31 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            full_end, end = _key_ranges(first_row // PACK, (first_row + BLOCK_M - 1) // PACK,
-                                        Sk, offset, CAUSAL, BLOCK_N)
+            start, full_start, full_end, end = _key_ranges(
+                first_row // PACK, (first_row + BLOCK_M - 1) // PACK, Sk, offset, before,
+                after, BAND, BLOCK_N)
             # The slice's share of each range (slices start on key-block boundaries).
-            masked_start = tl.maximum(full_end, split_start)
-            full_end = tl.minimum(full_end, split_end)
-            end = tl.minimum(end, split_end)
+            split_start = start + tl.program_id(2) * keys_per_split
+            split_end = split_start + keys_per_split
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
                                           stride_kn, stride_kd, stride_vn, stride_vd, queries,
-                                          split_start, full_end, Sk, offset, D, DV, qk_scale,
-                                          mask_rows, row_mask, stride_mn, MASK, CAUSAL, False,
-                                          UPCAST, PRECISION, WIDE, DESCRIPTORS,
-                                          WARP_SPECIALIZE,
-                                          FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
-            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
-                                          stride_kn, stride_kd, stride_vn, stride_vd, queries,
-                                          masked_start, end, Sk, offset, D, DV, qk_scale,
-                                          mask_rows, row_mask, stride_mn, MASK, CAUSAL, True,
-                                          UPCAST, PRECISION, WIDE, DESCRIPTORS, False,
-                                          FOLD_SCALE,
+                                          tl.maximum(full_start, split_start),
+                                          tl.minimum(full_end, split_end), 0, 0, Sk, offset,
+                                          before, after, D, DV, qk_scale, mask_rows, row_mask,
+                                          stride_mn, MASK, BAND, False, UPCAST, PRECISION,
+                                          WIDE, DESCRIPTORS, WARP_SPECIALIZE, FOLD_SCALE,
                                           BLOCK_N, BLOCK_D, BLOCK_DV)
+            acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, queries,
+                                          split_start,
+                                          tl.minimum(tl.minimum(full_start, end), split_end),
+                                          tl.maximum(tl.maximum(full_end, full_start),
+                                                     split_start),
+                                          tl.minimum(end, split_end), Sk, offset, before,
+                                          after, D, DV, qk_scale, mask_rows, row_mask,
+                                          stride_mn, MASK, BAND, True, UPCAST, PRECISION,
+                                          WIDE, DESCRIPTORS, False, FOLD_SCALE, BLOCK_N,
+                                          BLOCK_D, BLOCK_DV)
             # Rows that see no key have l_i 0 exactly; a NaN l_i (NaN in the inputs) stays.
             seen = l_i != 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -1192,44 +1329,75 @@ if triton is not None:
             tl.store(lse_ptr + rows, lse, mask=row_mask)  # float32 statistic
 
     @triton.jit
-    def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
-                         stride_kn, stride_kd, stride_vn, stride_vd, rows, start, end, Sk,
-                         offset, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
-                         MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    def _query_side_step(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
+                         stride_kn, stride_kd, stride_vn, stride_vd, rows, first_col, Sk,
+                         offset, before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok,
+                         stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
                          MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                          WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """dQ over the key blocks in [start, end): P from lse, dS = P (dP - delta)."""
-        for first_col in range(start, end, BLOCK_N):
-            cols = first_col + tl.arange(0, BLOCK_N)
-            keys = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, False,
-                               DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_D)
-            values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
-                                   True, DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_DV)
-            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
-            if MASK != 0:
-                scores += _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK, False)
-            p = tl.exp2(scores - lse2[:, None])
-            if MASKED:
-                p = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, CAUSAL), p,
-                             0.0)
-            dp = tl.dot(dout, values_t, input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(as_dot_operand(ds, like_ptr, UPCAST), keys, input_precision=PRECISION)
+        """dQ of one key block: P from lse, dS = P (dP - delta)."""
+        cols = first_col + tl.arange(0, BLOCK_N)
+        keys = _rows_block(k_base, k_desc, first_col, stride_kn, stride_kd, Sk, D, False,
+                           DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_D)
+        values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
+                               True, DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_DV)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        if MASK != 0:
+            scores += _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK, False)
+        p = tl.exp2(scores - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, before, after,
+                                  BAND), p, 0.0)
+        dp = tl.dot(dout, values_t, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        return dq + tl.dot(as_dot_operand(ds, like_ptr, UPCAST), keys,
+                           input_precision=PRECISION)
+
+    @triton.jit
+    def _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
+                         stride_kn, stride_kd, stride_vn, stride_vd, rows, start, end,
+                         second_start, second_end, Sk, offset, before, after, D, DV, qk_scale,
+                         like_ptr, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                         BAND: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                         DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """dQ over the key blocks in [start, end), and when ``MASKED`` then those in
+        [second_start, second_end)."""
+        if MASKED:
+            first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+            steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_N)
+            for step in range(0, steps):
+                dq = _query_side_step(
+                    dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
+                    stride_kd, stride_vn, stride_vd, rows,
+                    _two_ranges(step, start, first_steps, second_start, BLOCK_N), Sk, offset,
+                    before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
+                    MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N,
+                    BLOCK_D, BLOCK_DV)
+        else:
+            for first_col in range(start, end, BLOCK_N):
+                dq = _query_side_step(
+                    dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
+                    stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
+                    after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn, MASK,
+                    BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                    BLOCK_DV)
         return dq
 
     @triton.jit
     def _attention_query_side_kernel(
             dout_ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, grad_lse_ptr, delta_ptr, dq_ptr,
             mask_ptr, cu_q_ptr, cu_k_ptr, Sq, Sk, H, GROUP, head_offset, qk_scale, scale,
-            stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
-            stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-            stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od, stride_mb,
-            stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, EXACT_HEAD: tl.constexpr,
-            VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+            before, after, stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh,
+            stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+            stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+            stride_mb, stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr,
+            BAND: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
+            PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
+            EXACT_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Per query block: ``delta = rowsum(dout * out) - grad_lse`` (stored for the key
         side), then dQ, the keys and values streamed (by tensor descriptor when
         ``DESCRIPTORS``). With ``VARLEN`` (packed sequences, as in the forward) the
@@ -1255,7 +1423,7 @@ if triton is not None:
         value_dims = tl.arange(0, BLOCK_DV)
         blocks = tl.cdiv(Sq, BLOCK_M)
         for index in range(tl.program_id(0), blocks, tl.num_programs(0)):
-            block = _heavy_first(index, blocks, CAUSAL)
+            block = _heavy_first(index, blocks, BAND)
             first_row = block * BLOCK_M
             rows = first_row + tl.arange(0, BLOCK_M)
             if WIDE:
@@ -1283,20 +1451,21 @@ if triton is not None:
             lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)
             mask_rows = mask_ptr + batch * stride_mb + h * stride_mh + rows * stride_mm
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            full_end, end = _key_ranges(first_row, first_row + BLOCK_M - 1, Sk, offset, CAUSAL,
-                                        BLOCK_N)
+            start, full_start, full_end, end = _key_ranges(
+                first_row, first_row + BLOCK_M - 1, Sk, offset, before, after, BAND, BLOCK_N)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, 0,
-                                  full_end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows,
-                                  row_mask, stride_mn, MASK, CAUSAL, False,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, full_start,
+                                  full_end, 0, 0, Sk, offset, before, after, D, DV, qk_scale,
+                                  q_ptr, mask_rows, row_mask, stride_mn, MASK, BAND, False,
                                   UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
                                   BLOCK_DV)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, full_end,
-                                  end, Sk, offset, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
-                                  stride_mn, MASK, CAUSAL, True,
-                                  UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
-                                  BLOCK_DV)
+                                  stride_kn, stride_kd, stride_vn, stride_vd, rows, start,
+                                  tl.minimum(full_start, end),
+                                  tl.maximum(full_end, full_start), end, Sk, offset, before,
+                                  after, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
+                                  stride_mn, MASK, BAND, True, UPCAST, PRECISION, WIDE,
+                                  DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
             if VARLEN:
                 dq_ptrs = dq_ptr + ((q_start + rows)[:, None] * H + h) * D + dims[None, :]
             else:
@@ -1304,53 +1473,82 @@ if triton is not None:
             tl.store(dq_ptrs, rounded_for(dq * scale, dq_ptr), mask=q_mask)
 
     @triton.jit
+    def _key_side_step(dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc, lse_base,
+                       delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols, first_row,
+                       Sq, Sk, offset, before, after, D, DV, qk_scale, like_ptr, mask_base,
+                       stride_mm, stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
+                       MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """dK and dV of one key block over one query block, transposed: ``S^T = K Q^T``
+        (keys x queries), so that ``P^T`` and ``dS^T`` leave their products in the layout
+        of the next product's left operand; a transpose of a computed tile would cost a
+        round trip through shared memory per step. Rows past Sq read lse = +inf, so their
+        P is exactly 0 without a mask."""
+        rows = first_row + tl.arange(0, BLOCK_Q)
+        row_mask = rows < Sq
+        q_t = _rows_block(q_base, q_desc, first_row, stride_qm, stride_qd, Sq, D, True,
+                          DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_D)
+        dout = _rows_block(dout_base, dout_desc, first_row, stride_dm, stride_dd, Sq, DV,
+                           False, DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_DV)
+        lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
+        lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)  # no key seen: P = 0
+        delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
+        scores_t = tl.dot(keys, q_t, input_precision=PRECISION) * qk_scale
+        if MASK != 0:
+            scores_t += _score_bias(mask_base + rows * stride_mm, row_mask, cols, Sk,
+                                    stride_mn, MASK, True)
+        p_t = tl.exp2(scores_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(_visible(rows[None, :], cols[:, None], Sk, offset, before, after,
+                                    BAND), p_t, 0.0)
+        dv += tl.dot(as_dot_operand(p_t, like_ptr, UPCAST), dout, input_precision=PRECISION)
+        dp_t = tl.dot(values, tl.trans(dout), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(as_dot_operand(ds_t, like_ptr, UPCAST), tl.trans(q_t),
+                     input_precision=PRECISION)
+        return dk, dv
+
+    @triton.jit
     def _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc,
                           lse_base, delta_base, stride_qm, stride_qd, stride_dm, stride_dd,
-                          cols, start, end, Sq, Sk, offset, D, DV, qk_scale, like_ptr,
-                          mask_base, stride_mm, stride_mn, MASK: tl.constexpr,
-                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                          PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                          cols, start, end, second_start, second_end, Sq, Sk, offset, before,
+                          after, D, DV, qk_scale, like_ptr, mask_base, stride_mm, stride_mn,
+                          MASK: tl.constexpr, BAND: tl.constexpr, MASKED: tl.constexpr,
+                          UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                           DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr):
-        """dK and dV of one key block over the query blocks in [start, end), transposed:
-        ``S^T = K Q^T`` (keys x queries), so that ``P^T`` and ``dS^T`` leave their products
-        in the layout of the next product's left operand; a transpose of a computed tile
-        would cost a round trip through shared memory per step. Rows past Sq read lse =
-        +inf, so their P is exactly 0 without a mask."""
-        for first_row in range(start, end, BLOCK_Q):
-            rows = first_row + tl.arange(0, BLOCK_Q)
-            row_mask = rows < Sq
-            q_t = _rows_block(q_base, q_desc, first_row, stride_qm, stride_qd, Sq, D, True,
-                              DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_D)
-            dout = _rows_block(dout_base, dout_desc, first_row, stride_dm, stride_dd, Sq, DV,
-                               False, DESCRIPTORS, UPCAST, WIDE, BLOCK_Q, BLOCK_DV)
-            lse2 = tl.load(lse_base + rows, mask=row_mask, other=POS_INF)  # float32 statistic
-            lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)  # no key seen: P = 0
-            delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
-            scores_t = tl.dot(keys, q_t, input_precision=PRECISION) * qk_scale
-            if MASK != 0:
-                scores_t += _score_bias(mask_base + rows * stride_mm, row_mask, cols, Sk,
-                                        stride_mn, MASK, True)
-            p_t = tl.exp2(scores_t - lse2[None, :])
-            if MASKED:
-                p_t = tl.where(_visible(rows[None, :], cols[:, None], Sk, offset, CAUSAL),
-                               p_t, 0.0)
-            dv += tl.dot(as_dot_operand(p_t, like_ptr, UPCAST), dout,
-                         input_precision=PRECISION)
-            dp_t = tl.dot(values, tl.trans(dout), input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(as_dot_operand(ds_t, like_ptr, UPCAST), tl.trans(q_t),
-                         input_precision=PRECISION)
+        """dK and dV of one key block over the query blocks in [start, end), and when
+        ``MASKED`` then those in [second_start, second_end)."""
+        if MASKED:
+            first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_Q)
+            steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_Q)
+            for step in range(0, steps):
+                dk, dv = _key_side_step(
+                    dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc, lse_base,
+                    delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols,
+                    _two_ranges(step, start, first_steps, second_start, BLOCK_Q), Sq, Sk,
+                    offset, before, after, D, DV, qk_scale, like_ptr, mask_base, stride_mm,
+                    stride_mn, MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS,
+                    BLOCK_Q, BLOCK_D, BLOCK_DV)
+        else:
+            for first_row in range(start, end, BLOCK_Q):
+                dk, dv = _key_side_step(
+                    dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc, lse_base,
+                    delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols, first_row,
+                    Sq, Sk, offset, before, after, D, DV, qk_scale, like_ptr, mask_base,
+                    stride_mm, stride_mn, MASK, BAND, MASKED, UPCAST, PRECISION, WIDE,
+                    DESCRIPTORS, BLOCK_Q, BLOCK_D, BLOCK_DV)
         return dk, dv
 
     @triton.jit
     def _attention_key_side_kernel(
             dout_ptr, q_ptr, k_ptr, v_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
-            cu_q_ptr, cu_k_ptr, Sq, Sk, H, HKV, GROUP, head_offset, qk_scale, scale,
-            stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
+            cu_q_ptr, cu_k_ptr, Sq, Sk, H, HKV, GROUP, head_offset, qk_scale, scale, before,
+            after, stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
-            MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+            MASK: tl.constexpr, BAND: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
             EXACT_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_K: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1386,15 +1584,8 @@ if triton is not None:
                                  + value_dims[None, :] * stride_vd, v_mask, UPCAST)
             dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
             dv = tl.zeros([BLOCK_K, BLOCK_DV], dtype=tl.float32)
-            # Query blocks that see part of the key block (masked), then all of it.
-            start = 0
-            full_start = 0
-            if CAUSAL:
-                start = (tl.maximum(first_col - offset, 0) // BLOCK_Q) * BLOCK_Q
-                full_start = tl.minimum(
-                    tl.cdiv(tl.maximum(first_col + BLOCK_K - 1 - offset, 0), BLOCK_Q)
-                    * BLOCK_Q, Sq)
-                full_start = tl.maximum(full_start, start)
+            start, full_start, full_end, end = _query_ranges(
+                first_col, first_col + BLOCK_K - 1, Sq, offset, before, after, BAND, BLOCK_Q)
             for g in range(0, GROUP):
                 if VARLEN:
                     statistics = (hkv * GROUP + g) * total_q + q_start
@@ -1411,19 +1602,21 @@ if triton is not None:
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + statistics,
                                            delta_ptr + statistics, stride_qm, stride_qd,
-                                           stride_dm, stride_dd, cols, start, full_start, Sq,
-                                           Sk, offset, D, DV, qk_scale, q_ptr, mask_base,
-                                           stride_mm, stride_mn, MASK, CAUSAL, True,
+                                           stride_dm, stride_dd, cols, start,
+                                           tl.minimum(full_start, end),
+                                           tl.maximum(full_end, full_start), end, Sq, Sk,
+                                           offset, before, after, D, DV, qk_scale, q_ptr,
+                                           mask_base, stride_mm, stride_mn, MASK, BAND, True,
                                            UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
                                            BLOCK_D, BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + statistics,
                                            delta_ptr + statistics, stride_qm, stride_qd,
-                                           stride_dm, stride_dd, cols, full_start, Sq, Sq, Sk,
-                                           offset, D, DV, qk_scale, q_ptr, mask_base,
-                                           stride_mm, stride_mn, MASK, CAUSAL, False,
-                                           UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
-                                           BLOCK_D, BLOCK_DV)
+                                           stride_dm, stride_dd, cols, full_start, full_end,
+                                           0, 0, Sq, Sk, offset, before, after, D, DV,
+                                           qk_scale, q_ptr, mask_base, stride_mm, stride_mn,
+                                           MASK, BAND, False, UPCAST, PRECISION, WIDE,
+                                           DESCRIPTORS, BLOCK_Q, BLOCK_D, BLOCK_DV)
             # dk and dv rows: [T, HKV, D] packed, else [B, HKV, Sk, D] (a scalar base, so
             # that the per-row offsets stay 32-bit).
             if VARLEN:
@@ -1459,14 +1652,20 @@ def _head_chunks(heads: int) -> list[tuple[int, int]]:
 def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
                     ) -> dict[str, object]:
     """Compile-time arguments of a kernel: the shared ones, and the tiling's ``blocks``
-    (with the head dims' blocks)."""
+    (with the head dims' blocks); ``BAND`` comes with `band_arguments`."""
     chosen = {name: plan.tiling.blocks[name] for name in (*blocks, "BLOCK_D", "BLOCK_DV")}
     # 16-bit operands take the matrix unit whatever the precision asks of float32 ones
     # (and the interpreter's float32 copies of them are exact in tf32 too): "ieee" is
     # the precision every backend accepts (triton-ascend rejects "tf32").
-    return {"CAUSAL": plan.attrs["causal"], "UPCAST": backends.interpreter_enabled(),
+    return {"UPCAST": backends.interpreter_enabled(),
             "PRECISION": "ieee",
             "WIDE": wide_offsets(*inputs), **chosen, **launch_options(plan.tiling)}
+
+
+def band_arguments(attrs: Attrs, sq: int, sk: int) -> tuple[tuple[int, int], bool]:
+    """The kernels' ``(before, after)`` arguments and their ``BAND`` (`_reach`)."""
+    band, before, after = _reach(limits_of(attrs), sq, sk)
+    return (before, after), band
 
 
 def _mask_arguments(mask: torch.Tensor | None, like: torch.Tensor,
@@ -1514,7 +1713,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         descriptors = warp_specialize = False
     if descriptors:
         use_scratch_allocator(k.device)
-    keys_per_split, splits = _key_slices(plan.tiling, sk)
+    keys_per_split, splits = _key_slices(plan.tiling,
+                                         _block_keys(plan.tiling, plan.attrs, h, hkv, sq, sk))
+    reach, band = band_arguments(plan.attrs, sq, sk)
     rows = b * h * sq
     targets = (out, lse)
     if splits > 1:
@@ -1525,8 +1726,8 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     for first, count in _head_chunks(b * h // pack):
         _attention_forward_kernel[(plan.grid[0], count, splits)](
             q, k, v, mask, *targets, q, q, sq, sk, h, h // hkv, first, b * h, keys_per_split,
-            qk_scale, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
-            MASK=mask_kind, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
+            qk_scale, *reach, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
+            MASK=mask_kind, BAND=band, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
             EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
             FOLD_SCALE=qk_scale > 0 and mask_kind == 0, VARLEN=False, **options)
     if splits > 1:
@@ -1567,19 +1768,21 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     query_side["EXACT_HEAD"] = key_side["EXACT_HEAD"] = (_exact_head(query_side, d, dv)
                                                          and not descriptors)
     scale = _scale_of(plan.attrs, d)
+    reach, band = band_arguments(plan.attrs, sq, sk)
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
-            mask, q, q, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *dout.stride(),
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, d, dv,
-            MASK=mask_kind, HAS_GRAD_LSE=grad_lse is not None, VARLEN=False, **query_side)
+            mask, q, q, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *reach,
+            *dout.stride(), *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *mask_strides, d, dv, MASK=mask_kind, BAND=band, HAS_GRAD_LSE=grad_lse is not None,
+            VARLEN=False, **query_side)
     key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
             dout, q, k, v, lse, delta, grad_k, grad_v, mask, q, q, sq, sk, h, hkv, h // hkv,
-            first,
-            scale * LOG2_E, scale, *dout.stride(), *q.stride(), *k.stride(), *v.stride(),
-            *mask_strides, d, dv, MASK=mask_kind, VARLEN=False, **key_side)
+            first, scale * LOG2_E, scale, *reach, *dout.stride(), *q.stride(), *k.stride(),
+            *v.stride(), *mask_strides, d, dv, MASK=mask_kind, BAND=band, VARLEN=False,
+            **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1588,10 +1791,10 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]
                    ) -> None:
-    q, k, v, mask, causal, scale = inputs
+    q, k, v, mask, *attrs = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.attrs = attrs
 
 
 @ATTENTION.autograd(_setup_context)
@@ -1603,8 +1806,8 @@ def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grad_q, grad_k, grad_v = ATTENTION_BACKWARD(
-        grad_out, q, k, v, out, lse, grad_lse, mask, ctx.causal, ctx.scale)
-    return grad_q, grad_k, grad_v, None, None, None
+        grad_out, q, k, v, out, lse, grad_lse, mask, *ctx.attrs)
+    return grad_q, grad_k, grad_v, None, *[None] * len(ctx.attrs)
 
 
 register_op(ATTENTION_BACKWARD)

@@ -70,7 +70,8 @@ ATTRS = (dense.CAUSAL, dense.SCALE,
          Attr("max_seqlen_q", "int", None, range=(0, None),
               doc="the longest query sequence (sizes the grid); None: T"),
          Attr("max_seqlen_k", "int", None, range=(0, None),
-              doc="the longest key sequence (sizes the tiles); None: Tk"))
+              doc="the longest key sequence (sizes the tiles); None: Tk"),
+         dense.WINDOW_LEFT, dense.WINDOW_RIGHT)
 
 
 def _shapes(q: object, k: object, v: object, cu_q: object, cu_k: object, op: str
@@ -171,19 +172,19 @@ def _lengths(b: int, t: int, tk: int, attrs: Attrs) -> tuple[int, int]:
             tk if attrs["max_seqlen_k"] is None else attrs["max_seqlen_k"])
 
 
-def _pairs(b: int, h: int, t: int, tk: int, causal: bool) -> int:
+def _pairs(b: int, h: int, t: int, tk: int, attrs: Attrs) -> int:
     """(query, key) pairs computed, estimated as ``B`` sequences of the mean lengths (the
     lengths are data, which a cost model does not read)."""
     if b == 0:
         return 0
-    return b * h * dense._visible_pairs(t // b, tk // b, causal)
+    return b * h * dense._visible_pairs(t // b, tk // b, dense.limits_of(attrs))
 
 
 def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     """attention's cost on ``B`` sequences of the mean lengths (an estimate, see `_pairs`)."""
     b, h, hkv, t, tk, d, dv = _shapes(*inputs, NAME)
     item = inputs[0].itemsize
-    return Cost(flops=2 * _pairs(b, h, t, tk, attrs["causal"]) * (d + dv),
+    return Cost(flops=2 * _pairs(b, h, t, tk, attrs) * (d + dv),
                 bytes_moved=item * (h * t * (d + dv) + hkv * tk * (d + dv)) + 4 * h * t
                 + 8 * (b + 1))
 
@@ -276,6 +277,11 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
         Case("max_seqlen_underestimated", packed((70, 3), (70, 3), 1, 1, 16),
              {"causal": True, "max_seqlen_q": 16, "max_seqlen_k": 16}),
         Case("no_tokens", packed((), (), 2, 2, 16)),
+        # A sliding window per sequence, and a band past some sequences' keys.
+        Case("sliding_window_gqa", packed((6, 40, 13), (6, 40, 20), 4, 2, 32),
+             {"causal": True, "window_left": 5}),
+        Case("band_off_diagonal", packed((9, 30), (2, 35), 2, 2, 16),
+             {"window_left": 3, "window_right": -4}),
     ]
 
 
@@ -321,7 +327,8 @@ def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Att
                  golden: torch.Tensor, output: str) -> torch.Tensor:
     """attention's error scale (`opforge.ops.attention`) per sequence."""
     q, k, v, cu_q, cu_k = inputs
-    dense_attrs = {"causal": attrs["causal"], "scale": attrs["scale"]}
+    dense_attrs = {name: attrs[name]
+                   for name in ("causal", "scale", "window_left", "window_right")}
 
     def scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,10 +344,12 @@ def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Att
 def _torch_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool,
                             scale: float | None, max_seqlen_q: int | None,
-                            max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_seqlen_k: int | None, window_left: int | None = None,
+                            window_right: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch SDPA per sequence (attention's peer)"""
     return _per_sequence(q, k, v, cu_q, cu_k, lambda q, k, v: dense._torch_attention(
-        q, k, v, None, causal, scale))
+        q, k, v, None, causal, scale, window_left, window_right))
 
 
 def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -396,7 +405,7 @@ def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     """attention_backward's cost on ``B`` sequences of the mean lengths (an estimate)."""
     b, h, hkv, t, tk, d, dv = _shapes(*inputs[1:4], *inputs[7:], BACKWARD_NAME)
     item = inputs[1].itemsize
-    pairs = _pairs(b, h, t, tk, attrs["causal"])
+    pairs = _pairs(b, h, t, tk, attrs)
     return Cost(flops=2 * pairs * (4 * d + 3 * dv),
                 bytes_moved=h * t * (2 * d + 2 * dv) * item + 2 * h * t * 4
                 + hkv * tk * 2 * (d + dv) * item + 8 * (b + 1))
@@ -472,7 +481,8 @@ def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: 
             for t in inputs]
     grads = _gradients_per_sequence(wide, lambda *args: dense._backward_terms(
         *args, None, compute_dtype=torch.float64, magnitudes=True, causal=attrs["causal"],
-        scale=attrs["scale"]))
+        scale=attrs["scale"], window_left=attrs["window_left"],
+        window_right=attrs["window_right"]))
     result = grads[("grad_q", "grad_k", "grad_v").index(output)]
     return torch.where(result > 0, result, torch.ones_like(result))
 
@@ -481,13 +491,16 @@ def _torch_attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: tor
                                      v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                      grad_lse: torch.Tensor | None, cu_q: torch.Tensor,
                                      cu_k: torch.Tensor, causal: bool, scale: float | None,
-                                     max_seqlen_q: int | None, max_seqlen_k: int | None
+                                     max_seqlen_q: int | None, max_seqlen_k: int | None,
+                                     window_left: int | None = None,
+                                     window_right: int | None = None
                                      ) -> tuple[torch.Tensor, ...]:
     """torch.autograd through SDPA per sequence (attention_backward's peer)"""
     return _gradients_per_sequence(
         (dout, q, k, v, out, lse, grad_lse, cu_q, cu_k),
         lambda dout, q, k, v, out, lse, grad_lse: dense._torch_attention_backward(
-            dout, q, k, v, out, lse, grad_lse, None, causal, scale))
+            dout, q, k, v, out, lse, grad_lse, None, causal, scale, window_left,
+            window_right))
 
 
 ATTENTION_VARLEN_BACKWARD = OpDef(
@@ -521,11 +534,13 @@ ATTENTION_VARLEN_BACKWARD = OpDef(
 @ATTENTION_VARLEN.reference
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
               cu_k: torch.Tensor, *, compute_dtype: torch.dtype, causal: bool,
-              scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None
+              scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
+              window_left: int | None = None, window_right: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention's reference on each sequence, in ``compute_dtype``."""
     return _per_sequence(q, k, v, cu_q, cu_k, lambda q, k, v: dense.reference(
-        q, k, v, None, compute_dtype=compute_dtype, causal=causal, scale=scale))
+        q, k, v, None, compute_dtype=compute_dtype, causal=causal, scale=scale,
+        window_left=window_left, window_right=window_right))
 
 
 @ATTENTION_VARLEN_BACKWARD.reference
@@ -533,13 +548,16 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                        cu_q: torch.Tensor, cu_k: torch.Tensor, *, compute_dtype: torch.dtype,
                        causal: bool, scale: float | None, max_seqlen_q: int | None,
-                       max_seqlen_k: int | None) -> tuple[torch.Tensor, ...]:
+                       max_seqlen_k: int | None, window_left: int | None = None,
+                       window_right: int | None = None) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in ``compute_dtype``: attention_backward's reference on each
     sequence."""
     return _gradients_per_sequence(
         (dout, q, k, v, out, lse, grad_lse, cu_q, cu_k),
         lambda *args: dense.backward_reference(*args, None, compute_dtype=compute_dtype,
-                                               causal=causal, scale=scale))
+                                               causal=causal, scale=scale,
+                                               window_left=window_left,
+                                               window_right=window_right))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,11 +587,12 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         lse.fill_(-torch.inf)
     options = dense._launch_options(plan, (q, k, v, out), "BLOCK_M", "BLOCK_N")
     qk_scale = dense._scale_of(plan.attrs, d) * dense.LOG2_E
+    reach, band = dense.band_arguments(plan.attrs, t, tk)
     for first, count in dense._head_chunks(b * h):
         dense._attention_forward_kernel[(plan.grid[0], count, 1)](
             q, k, v, q, out, lse, cu_q, cu_k, t, tk, h, h // hkv, first, b * h, tk, qk_scale,
-            *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), 0, 0, 0, 0, d, dv,
-            MASK=0, DESCRIPTORS=False, WARP_SPECIALIZE=False,
+            *reach, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), 0, 0, 0, 0,
+            d, dv, MASK=0, BAND=band, DESCRIPTORS=False, WARP_SPECIALIZE=False,
             EXACT_HEAD=dense._exact_head(options, d, dv), PACK=1, FOLD_SCALE=qk_scale > 0,
             VARLEN=True, **options)
 
@@ -601,12 +620,13 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     key_side = dense._launch_options(plan, tensors, "BLOCK_K", "BLOCK_Q")
     exact = dense._exact_head(query_side, d, dv)
     scale = dense._scale_of(plan.attrs, d)
+    reach, band = dense.band_arguments(plan.attrs, t, tk)
     for first, count in dense._head_chunks(b * h):
         dense._attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
-            q, cu_q, cu_k, t, tk, h, h // hkv, first, scale * dense.LOG2_E, scale,
+            q, cu_q, cu_k, t, tk, h, h // hkv, first, scale * dense.LOG2_E, scale, *reach,
             *_packed_strides(dout), *_packed_strides(q), *_packed_strides(k),
-            *_packed_strides(v), *_packed_strides(out), 0, 0, 0, 0, d, dv, MASK=0,
+            *_packed_strides(v), *_packed_strides(out), 0, 0, 0, 0, d, dv, MASK=0, BAND=band,
             HAS_GRAD_LSE=grad_lse is not None, DESCRIPTORS=False, EXACT_HEAD=exact,
             VARLEN=True, **query_side)
     _, sk = _lengths(b, t, tk, plan.attrs)
@@ -614,9 +634,9 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     for first, count in dense._head_chunks(b * hkv):
         dense._attention_key_side_kernel[(key_blocks, count)](
             dout, q, k, v, lse, delta, grad_k, grad_v, q, cu_q, cu_k, t, tk, h, hkv,
-            h // hkv, first, scale * dense.LOG2_E, scale, *_packed_strides(dout),
+            h // hkv, first, scale * dense.LOG2_E, scale, *reach, *_packed_strides(dout),
             *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), 0, 0, 0, 0, d, dv,
-            MASK=0, DESCRIPTORS=False, EXACT_HEAD=exact, VARLEN=True, **key_side)
+            MASK=0, BAND=band, DESCRIPTORS=False, EXACT_HEAD=exact, VARLEN=True, **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -640,7 +660,7 @@ def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
         grad_out = torch.zeros_like(out)
     grad_q, grad_k, grad_v = ATTENTION_VARLEN_BACKWARD(
         grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.attrs)
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, *[None] * len(ctx.attrs)
 
 
 register_op(ATTENTION_VARLEN_BACKWARD)
@@ -652,7 +672,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      causal: bool = False, scale: float | None = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                     return_lse: bool = False
+                     return_lse: bool = False, *, window_left: int | None = None,
+                     window_right: int | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen call,
     CANN's ``TND`` layout): each sequence attends to its own keys only.
@@ -667,6 +688,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_k[b + 1]`` of k and v.
         causal: per sequence, query ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right).
         scale: score scale, ``1 / sqrt(D)`` when None.
+        window_left, window_right: per sequence, a band around each query's diagonal key
+            (see `opforge.attention`): a sliding window of ``W`` keys is ``causal=True,
+            window_left=W - 1``. The kernels skip the key blocks outside it.
         max_seqlen_q, max_seqlen_k: the longest query and key sequence; they size the
             grid and the tiles (a wrong value costs speed, not correctness). None: read
             from the lengths on the host (one more read of each; inside torch.compile,
@@ -689,7 +713,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_seqlen_q = longest[0] if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
     out, lse = ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                                max_seqlen_q, max_seqlen_k)
+                                max_seqlen_q, max_seqlen_k, window_left, window_right)
     return (out, lse) if return_lse else out
 
 
