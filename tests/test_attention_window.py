@@ -193,9 +193,10 @@ def test_packed_sequences_take_the_band_per_sequence(left, right, backend):
                 torch.testing.assert_close(grad[span], alone_grad, rtol=1e-5, atol=1e-5)
 
 
-def test_window_attributes_must_be_integers(backend):
+def test_window_attributes_must_be_32_bit_integers(backend):
     q, k, v = _qkv(1, 1, 1, 4, 4, 8, torch.float32, seed=0)
-    with pytest.raises(AttrError, match="window_left"):
-        opforge.attention(q, k, v, window_left=2.5)
-    with pytest.raises(AttrError, match="window_right"):
-        opforge.attention(q, k, v, window_right="2")
+    for value, param in ((2.5, "window_left"), ("2", "window_right"), (2**31, "window_left"),
+                         (-2**31 - 1, "window_right")):
+        with pytest.raises(AttrError) as raised:
+            opforge.attention(q, k, v, **{param: value})
+        assert raised.value.param == param

@@ -365,6 +365,57 @@ def test_a_sliding_window_runs_as_the_band_without_a_mask(monkeypatch):
     assert torch.equal(model.generate(ids, **generate), reference.generate(ids, **generate))
 
 
+def test_the_mask_function_skips_only_a_plain_unpadded_window():
+    """transformers' mask for a sliding window is skipped (None: the attention runs the
+    band) only for its plain pattern over unpadded keys with one query or as many queries
+    as keys; padding, a chunked pattern, a forbidden skip, a cached multi-token step and
+    a padding mask shorter than the keys keep the boolean mask, equal to SDPA's."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    config = SimpleNamespace(sliding_window=4)
+    ones = torch.ones(2, 11, dtype=torch.bool)
+    padded = ones.clone()
+    padded[1, :3] = False
+    base = {"batch_size": 2, "q_length": 11, "kv_length": 11, "q_offset": 0,
+            "kv_offset": 0, "mask_function": sliding_window_causal_mask_function(4),
+            "local_size": 4, "config": config}
+    assert opforge.hf._mask(**base) is None
+    assert opforge.hf._mask(**base, attention_mask=ones) is None
+    assert opforge.hf._mask(**{**base, "q_length": 1, "q_offset": 10}) is None
+    for change in ({"attention_mask": padded},
+                   {"config": SimpleNamespace(sliding_window=4, attention_chunk_size=4)},
+                   {"allow_is_causal_skip": False},
+                   {"q_length": 3, "q_offset": 8},
+                   {"attention_mask": ones[:, :9]}):
+        call = {**base, **change}
+        expected = sdpa_mask(**call)
+        assert expected is not None
+        assert torch.equal(opforge.hf._mask(**call), expected)
+
+
+def test_a_packed_batch_in_a_bidirectional_module_under_its_window():
+    """A non-causal module's window: sequences no longer than it run unwindowed (it hides
+    nothing); a longer one is refused, as opforge's band is causal-side only here."""
+    model = _tiny("mistral", sliding_window=9)
+    opforge.patch(model)
+    attention = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(6)
+    q, k = torch.randn(1, 4, 14, 16, generator=generator), torch.randn(1, 2, 14, 16,
+                                                                          generator=generator)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    out, _ = opforge.hf.attention_forward(attention, q, k, k, None, is_causal=False,
+                                          cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    expected = opforge.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                        k[0].transpose(0, 1), cu, cu)
+    torch.testing.assert_close(out[0], expected)
+    with pytest.raises(opforge.hf.PatchError) as raised:
+        opforge.hf.attention_forward(attention, q, k, k, None, is_causal=False,
+                                     cu_seq_lens_q=cu, cu_seq_lens_k=cu, sliding_window=4)
+    assert raised.value.param == "sliding_window"
+
+
 def test_generation_is_unchanged_and_unpatch_restores_the_model():
     model = _tiny("llama")
     ids, attention_mask = _batch()

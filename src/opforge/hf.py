@@ -170,14 +170,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        longest = kwargs.get("max_length_k")
         if window is not None and not module_causal:
-            raise PatchError("a padding-free batch under a sliding window needs a causal "
-                             "module", op="attention", param="sliding_window",
-                             expected="a causal attention", got="is_causal=False")
+            longest = int((cu_k[1:] - cu_k[:-1]).max()) if longest is None else longest
+            if longest > window:
+                raise PatchError("a padding-free batch under a sliding window needs a causal "
+                                 "module", op="attention", param="sliding_window",
+                                 expected="a causal attention", got="is_causal=False")
+            window = None  # no sequence reaches past it
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
-                               kwargs.get("max_length_k"),
-                               window_left=None if window is None else window - 1)
+                               longest, window_left=None if window is None else window - 1)
         return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_length > 1 and module_causal
@@ -331,28 +334,34 @@ def _fused_loss_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _mask(*, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
-          local_size: int | None = None, allow_is_causal_skip: bool = True,
-          config: object = None, **kwargs: object) -> torch.Tensor | None:
+def _mask(*, q_length: int, kv_length: int, kv_offset: object = 0,
+          attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+          allow_is_causal_skip: bool = True, config: object = None, **kwargs: object
+          ) -> torch.Tensor | None:
     """The mask opforge's attention gets: SDPA's boolean one (None when the causal rule
     alone says it), and None too for a plain sliding-window causal mask that the causal
     rule would skip (no padding; one query, or as many queries as keys): `attention_forward`
     then runs the module's window as the kernels' band, which skips the key blocks outside
     it instead of reading an ``Sq x Sk`` mask. transformers allows the skip only for the
     unmodified pattern (no packing or overlay) and passes the window as ``local_size``;
-    a chunked pattern (``attention_chunk_size``) keeps its mask."""
+    a chunked pattern (``attention_chunk_size``) keeps its mask, and so does a traced or
+    compiled call (the padding's values would be baked into the graph) and a padding mask
+    that does not cover the keys."""
     from transformers.masking_utils import sdpa_mask
 
     if (local_size is not None and allow_is_causal_skip
             and local_size == getattr(config, "sliding_window", None)
             and getattr(config, "attention_chunk_size", None) is None
-            and (q_length == 1 or q_length == kv_length)
-            and not torch.compiler.is_compiling()
-            and (attention_mask is None or bool(attention_mask.all()))):
+            and (q_length == 1 or q_length == kv_length) and isinstance(kv_offset, int)
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and (attention_mask is None
+                 or (isinstance(attention_mask, torch.Tensor)
+                     and attention_mask.shape[-1] >= kv_offset + kv_length
+                     and bool(attention_mask.all())))):
         return None
-    return sdpa_mask(q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
-                     config=config, **kwargs)
+    return sdpa_mask(q_length=q_length, kv_length=kv_length, kv_offset=kv_offset,
+                     attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, config=config, **kwargs)
 
 
 def _register_attention() -> None:

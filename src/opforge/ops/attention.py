@@ -113,9 +113,11 @@ MASK = TensorArg("mask", dtypes=(torch.bool, torch.float32, torch.float16, torch
                                  torch.float64), optional=True,
                  doc="(B|1, H|1, Sq|1, Sk|1): bool (True: seen) or added to the scores")
 SCALE = Attr("scale", "float", None, doc="score scale; None: 1 / sqrt(D)")
-WINDOW_LEFT = Attr("window_left", "int", None,
+# A window's sides are 32-bit, as CANN's token limits (past the lengths they change nothing).
+WINDOW_RANGE = (-2**31, 2**31 - 1)
+WINDOW_LEFT = Attr("window_left", "int", None, range=WINDOW_RANGE,
                    doc="hide keys before i + Sk - Sq - window_left; None: none")
-WINDOW_RIGHT = Attr("window_right", "int", None,
+WINDOW_RIGHT = Attr("window_right", "int", None, range=WINDOW_RANGE,
                     doc="hide keys after i + Sk - Sq + window_right; None: none")
 ATTRS = (CAUSAL, SCALE, WINDOW_LEFT, WINDOW_RIGHT)
 
