@@ -1160,11 +1160,11 @@ if triton is not None:
                       WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
                       WARP_SPECIALIZE: tl.constexpr, FOLD_SCALE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """The online softmax over the key blocks in [start, end), and when ``MASKED``
-        then those in [second_start, second_end) (a band's masked blocks on both sides).
-        ``WARP_SPECIALIZE`` asks Triton to split the loop into producer (TMA copies) and
-        consumer warps; the keyword exists only in Triton versions that have it, so the
-        other loops never name it."""
+        """The online softmax over the key blocks in [start, end); when ``MASKED``, those in
+        [second_start, second_end) too with a ``BAND`` (its masked blocks on both edges),
+        else only those (the tail past the last full block). ``WARP_SPECIALIZE`` asks
+        Triton to split the loop into producer (TMA copies) and consumer warps; the keyword
+        exists only in Triton versions that have it, so the other loops never name it."""
         if WARP_SPECIALIZE:
             for first_col in tl.range(start, end, BLOCK_N, warp_specialize=True):
                 acc, m_i, l_i = _forward_step(
@@ -1172,11 +1172,18 @@ if triton is not None:
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
                     qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
                     PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
-        elif MASKED:
+        elif MASKED and BAND:
             first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
             steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_N)
             for step in range(0, steps):
                 first_col = _two_ranges(step, start, first_steps, second_start, BLOCK_N)
+                acc, m_i, l_i = _forward_step(
+                    acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
+                    stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
+        elif MASKED:
+            for first_col in range(second_start, second_end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
@@ -1365,9 +1372,9 @@ if triton is not None:
                          PRECISION: tl.constexpr, WIDE: tl.constexpr,
                          DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-        """dQ over the key blocks in [start, end), and when ``MASKED`` then those in
-        [second_start, second_end)."""
-        if MASKED:
+        """dQ over the key blocks in [start, end); when ``MASKED``, those in [second_start,
+        second_end) too with a ``BAND``, else only those (as `_forward_keys`)."""
+        if MASKED and BAND:
             first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
             steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_N)
             for step in range(0, steps):
@@ -1378,6 +1385,14 @@ if triton is not None:
                     before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
                     MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N,
                     BLOCK_D, BLOCK_DV)
+        elif MASKED:
+            for first_col in range(second_start, second_end, BLOCK_N):
+                dq = _query_side_step(
+                    dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
+                    stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
+                    after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn, MASK,
+                    BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
+                    BLOCK_DV)
         else:
             for first_col in range(start, end, BLOCK_N):
                 dq = _query_side_step(
@@ -1521,7 +1536,8 @@ if triton is not None:
                           DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr):
         """dK and dV of one key block over the query blocks in [start, end), and when
-        ``MASKED`` then those in [second_start, second_end)."""
+        ``MASKED`` then those in [second_start, second_end) (a band's edges: without one no
+        query block needs the mask, queries past Sq having P = 0)."""
         if MASKED:
             first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_Q)
             steps = first_steps + tl.cdiv(tl.maximum(second_end - second_start, 0), BLOCK_Q)
@@ -1601,16 +1617,15 @@ if triton is not None:
                 q_desc, dout_desc = descriptor_pair(q_base, Sq, D, stride_qm, dout_base, Sq, DV,
                                                     stride_dm, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                                                     BLOCK_Q, BLOCK_DV)
-                dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
-                                           dout_desc, lse_ptr + statistics,
-                                           delta_ptr + statistics, stride_qm, stride_qd,
-                                           stride_dm, stride_dd, cols, start,
-                                           tl.minimum(full_start, end),
-                                           tl.maximum(full_end, full_start), end, Sq, Sk,
-                                           offset, before, after, D, DV, qk_scale, q_ptr,
-                                           mask_base, stride_mm, stride_mn, MASK, BAND, True,
-                                           UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q,
-                                           BLOCK_D, BLOCK_DV)
+                if BAND:
+                    dk, dv = _key_side_queries(
+                        dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc,
+                        lse_ptr + statistics, delta_ptr + statistics, stride_qm, stride_qd,
+                        stride_dm, stride_dd, cols, start, tl.minimum(full_start, end),
+                        tl.maximum(full_end, full_start), end, Sq, Sk, offset, before, after,
+                        D, DV, qk_scale, q_ptr, mask_base, stride_mm, stride_mn, MASK, BAND,
+                        True, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q, BLOCK_D,
+                        BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
                                            dout_desc, lse_ptr + statistics,
                                            delta_ptr + statistics, stride_qm, stride_qd,
