@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -263,6 +264,21 @@ def test_a_padded_batch_equals_each_sequence_alone():
                                        atol=2e-5)
 
 
+def _recorded(monkeypatch: pytest.MonkeyPatch, name: str,
+              pick: Callable[[tuple, dict], object]) -> list[object]:
+    """``pick(args, kwargs)`` of every call `opforge.hf` makes to its functional ``name``
+    (the calls still run)."""
+    seen: list[object] = []
+    real = getattr(opforge.hf, name)
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(pick(args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(opforge.hf, name, recording)
+    return seen
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kind,
                                                                              monkeypatch):
@@ -272,14 +288,7 @@ def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kin
     and loss gradients equal those of the sequence run alone."""
     model = _tiny(kind, **({"sliding_window": 9} if kind == "mistral" else {})).train()
     opforge.patch(model)
-    varlen_calls = []
-    real = opforge.hf.attention_varlen
-
-    def counting(*args, **kwargs):
-        varlen_calls.append(args[3])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(opforge.hf, "attention_varlen", counting)
+    varlen_calls = _recorded(monkeypatch, "attention_varlen", lambda args, kwargs: args[3])
     lengths = [5, 9, 3]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -309,14 +318,8 @@ def test_a_packed_batch_longer_than_the_sliding_window_keeps_the_window(monkeypa
     model = _tiny("mistral")
     reference = copy.deepcopy(model)
     opforge.patch(model)
-    windows = []
-    real = opforge.hf.attention_varlen
-
-    def recording(*args, **kwargs):
-        windows.append(kwargs["window_left"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(opforge.hf, "attention_varlen", recording)
+    windows = _recorded(monkeypatch, "attention_varlen",
+                        lambda args, kwargs: kwargs["window_left"])
     lengths = [5, 9, 3]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -341,14 +344,8 @@ def test_a_sliding_window_runs_as_the_band_without_a_mask(monkeypatch):
     model = _tiny("mistral")
     reference = copy.deepcopy(model)
     opforge.patch(model)
-    seen = []
-    real = opforge.hf.attention
-
-    def recording(*args, **kwargs):
-        seen.append((kwargs["attn_mask"] is None, kwargs["window_left"]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(opforge.hf, "attention", recording)
+    seen = _recorded(monkeypatch, "attention", lambda args, kwargs: (
+        kwargs["attn_mask"] is None, kwargs["window_left"]))
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=2e-5,

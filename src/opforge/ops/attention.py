@@ -1182,14 +1182,10 @@ if triton is not None:
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
                     qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
                     PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
-        elif MASKED:
-            for first_col in range(second_start, second_end, BLOCK_N):
-                acc, m_i, l_i = _forward_step(
-                    acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
-                    stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
-                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
-                    PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
+            if MASKED:  # no band: only the tail past the last full block
+                start = second_start
+                end = second_end
             for first_col in range(start, end, BLOCK_N):
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
@@ -1385,15 +1381,10 @@ if triton is not None:
                     before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
                     MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N,
                     BLOCK_D, BLOCK_DV)
-        elif MASKED:
-            for first_col in range(second_start, second_end, BLOCK_N):
-                dq = _query_side_step(
-                    dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
-                    stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
-                    after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn, MASK,
-                    BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
-                    BLOCK_DV)
         else:
+            if MASKED:  # no band: only the tail past the last full block
+                start = second_start
+                end = second_end
             for first_col in range(start, end, BLOCK_N):
                 dq = _query_side_step(
                     dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
