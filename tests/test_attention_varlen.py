@@ -141,6 +141,26 @@ def test_lengths_are_read_once_per_version(monkeypatch, backend):
     assert len(reads) == 3
 
 
+def test_fusion_attention_reads_repeated_lengths_once(monkeypatch, backend):
+    """CANN's TND call with the lists of the previous call (every layer of a model) reuses
+    their device tensors: the lengths are checked on the host on the first call only; new
+    lists are checked again."""
+    import opforge.compat.torch_npu as compat
+
+    monkeypatch.setattr(compat, "_length_tensors", {})  # none kept from another test
+    reads = []
+    real = varlen_module._ends
+    monkeypatch.setattr(varlen_module, "_ends", lambda cu: reads.append(1) or real(cu))
+    q, k, v = _packed([4, 6], [5, 5])
+    for _ in range(3):
+        npu_fusion_attention(q, k, v, 4, "TND", scale=0.3, sparse_mode=3,
+                             actual_seq_qlen=[4, 10], actual_seq_kvlen=[5, 10])
+    assert len(reads) == 2
+    npu_fusion_attention(q, k, v, 4, "TND", scale=0.3, sparse_mode=3,
+                         actual_seq_qlen=[3, 10], actual_seq_kvlen=[5, 10])
+    assert len(reads) == 3
+
+
 @pytest.mark.parametrize("change, error, param", [
     (lambda q, k, v, cq, ck: (q[None], k, v, cq, ck), opforge.ShapeError, "q"),
     (lambda q, k, v, cq, ck: (q, k, v, cq, ck[:-1]), opforge.ShapeError, "cu_seqlens_k"),

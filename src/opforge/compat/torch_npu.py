@@ -282,6 +282,27 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return (out, softmax_max, torch.ones_like(softmax_max), query.new_empty(0), 0, 0, 0)
 
 
+# Cumulative lengths as device tensors, one per (lengths, device): a model calls the fusion
+# attention in every layer with the same lists, and one tensor object is checked on the
+# host once by attention_varlen (a tensor per call was a copy to the device and a host
+# read in every layer).
+MAX_LENGTH_TENSORS = 32
+_length_tensors: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _lengths_tensor(ends: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[0, *ends]`` on ``device``, the same tensor for the same lengths (the
+    oldest of `MAX_LENGTH_TENSORS` dropped first)."""
+    key = (tuple(ends), device)
+    found = _length_tensors.get(key)
+    if found is None:
+        if len(_length_tensors) >= MAX_LENGTH_TENSORS:
+            del _length_tensors[next(iter(_length_tensors))]
+        found = _length_tensors[key] = torch.tensor([0, *ends], dtype=torch.int32,
+                                                    device=device)
+    return found
+
+
 def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              atten_mask: torch.Tensor | None, pse: torch.Tensor | None,
                              scale: float, pre_tockens: int, next_tockens: int,
@@ -315,8 +336,7 @@ def _packed_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     if pse is None and all(keep is None for keep, _, _ in rules) and len(windows) <= 1:
         left, right = windows.pop() if windows else (None, None)
         out, lse = attention_varlen(
-            query, key, value, *(torch.tensor([0, *ends], dtype=torch.int32,
-                                              device=query.device)
+            query, key, value, *(_lengths_tensor(ends, query.device)
                                  for ends in (query_ends, key_ends)),
             False, scale, max((end - start for start, end, _, _ in spans), default=0),
             max((end - start for _, _, start, end in spans), default=0), return_lse=True,
