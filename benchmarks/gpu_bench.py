@@ -500,20 +500,27 @@ def packed_attention_rows(device: torch.device, warmup_ms: int, rep_ms: int
         impls = (("SDPA flash per sequence", one_by_one(_sdpa_backend(SDPBackend.FLASH_ATTENTION))),
                  ("opforge varlen", varlen),
                  ("opforge per sequence", one_by_one(_opforge_attention)))
-        results = [(call(*leaves), torch.autograd.grad(call(*leaves), leaves, upstream))
-                   for _, call in impls[:2]]
-        (theirs, their_grads), (ours, ours_grads) = results
-        worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
-                    for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
-        yield Row("check", "attention_varlen", shape, "bf16", "opforge vs SDPA (out, dq, dk, "
-                  "dv)", max_abs_diff=worst, status="ok" if worst <= 2e-2 else "FAIL",
-                  detail="max |diff| / max |SDPA|, bound 2e-2")
+        yield _checked_pair("attention_varlen", shape, impls, leaves, upstream)
         flops = sum(2 * h * n * n * d for n in lengths)
         yield from _timed_passes("attention_varlen", shape, impls, leaves, upstream, flops,
                                  warmup_ms, rep_ms)
         torch.cuda.empty_cache()
     except Exception as error:  # reported; the other rows still run
         yield _error_row("time", "attention_varlen", shape, "bf16", "opforge", error)
+
+
+def _checked_pair(op: str, shape: str, impls: Sequence[tuple[str, Callable[..., Any]]],
+                  leaves: Sequence[torch.Tensor], upstream: torch.Tensor) -> Row:
+    """The check row of ``impls``' second (opforge) against their first (SDPA): out and
+    the gradients of ``leaves``, max error relative to SDPA's largest magnitude."""
+    (theirs, their_grads), (ours, ours_grads) = [
+        (call(*leaves), torch.autograd.grad(call(*leaves), leaves, upstream))
+        for _, call in impls[:2]]
+    worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
+                for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
+    return Row("check", op, shape, "bf16", f"opforge vs {impls[0][0]} (out, dq, dk, dv)",
+               max_abs_diff=worst, status="ok" if worst <= 2e-2 else "FAIL",
+               detail="max |diff| / max |SDPA|, bound 2e-2")
 
 
 def _timed_passes(op: str, shape: str, impls: Sequence[tuple[str, Callable[..., Any]]],
@@ -576,15 +583,7 @@ def windowed_attention_rows(device: torch.device, warmup_ms: int, rep_ms: int
                       lambda q, k, v: _sdpa_backend(SDPBackend.FLASH_ATTENTION)(q, k, v, True)),
                      ("opforge causal (no window)",
                       lambda q, k, v: _opforge_attention(q, k, v, True)))
-            results = [(call(*leaves), torch.autograd.grad(call(*leaves), leaves, upstream))
-                       for _, call in impls[:2]]
-            (theirs, their_grads), (ours, ours_grads) = results
-            worst = max(max_abs_diff(a, e) / e.float().abs().max().item()
-                        for a, e in zip((ours, *ours_grads), (theirs, *their_grads)))
-            yield Row("check", "attention window", shape, "bf16", "opforge vs SDPA band mask "
-                      "(out, dq, dk, dv)", max_abs_diff=worst,
-                      status="ok" if worst <= 2e-2 else "FAIL",
-                      detail="max |diff| / max |SDPA|, bound 2e-2")
+            yield _checked_pair("attention window", shape, impls, leaves, upstream)
             pairs = s * window - window * (window - 1) // 2
             yield from _timed_passes("attention window", shape, impls, leaves, upstream,
                                      4 * b * h * pairs * d, warmup_ms, rep_ms)
