@@ -362,7 +362,22 @@ def test_a_sliding_window_runs_as_the_band_without_a_mask(monkeypatch):
     assert torch.equal(model.generate(ids, **generate), reference.generate(ids, **generate))
 
 
-def test_the_mask_function_skips_only_a_plain_unpadded_window():
+def test_a_compiled_model_without_padding_takes_the_band(monkeypatch):
+    """Under torch.compile, an unpadded batch's sliding window runs as the band too (no
+    padding mask to read), with the unpatched model's logits."""
+    model = _tiny("mistral")
+    reference = copy.deepcopy(model)
+    opforge.patch(model)
+    seen = _recorded(monkeypatch, "attention", lambda args, kwargs: (
+        kwargs["attn_mask"] is None, kwargs["window_left"]))
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = torch.compile(lambda ids: model(ids).logits)(ids)
+        torch.testing.assert_close(got, reference(ids).logits, rtol=2e-5, atol=2e-5)
+    assert seen[:2] == [(True, 3), (True, 3)]
+
+
+def test_the_mask_function_skips_only_a_plain_unpadded_window(monkeypatch):
     """transformers' mask for a sliding window is skipped (None: the attention runs the
     band) only for its plain pattern over unpadded keys with one query or as many queries
     as keys; padding, a chunked pattern, a forbidden skip, a cached multi-token step and
@@ -390,6 +405,12 @@ def test_the_mask_function_skips_only_a_plain_unpadded_window():
         expected = sdpa_mask(**call)
         assert expected is not None
         assert torch.equal(opforge.hf._mask(**call), expected)
+    # Compiling: a padding mask's values are not read (the mask stays), no padding mask
+    # still gives the band.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert opforge.hf._mask(**base) is None
+    assert torch.equal(opforge.hf._mask(**base, attention_mask=ones),
+                       sdpa_mask(**base, attention_mask=ones))
 
 
 def test_a_packed_batch_in_a_bidirectional_module_under_its_window():

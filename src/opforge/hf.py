@@ -344,18 +344,19 @@ def _mask(*, q_length: int, kv_length: int, kv_offset: object = 0,
     then runs the module's window as the kernels' band, which skips the key blocks outside
     it instead of reading an ``Sq x Sk`` mask. transformers allows the skip only for the
     unmodified pattern (no packing or overlay) and passes the window as ``local_size``;
-    a chunked pattern (``attention_chunk_size``) keeps its mask, and so does a traced or
-    compiled call (the padding's values would be baked into the graph) and a padding mask
-    that does not cover the keys."""
+    a chunked pattern (``attention_chunk_size``) keeps its mask, and so does a padding
+    mask that does not cover the keys, or whose values a traced or compiled call would
+    have to read (they would be baked into the graph: without a padding mask, a compiled
+    model gets the band too)."""
     from transformers.masking_utils import sdpa_mask
 
     if (local_size is not None and allow_is_causal_skip
             and local_size == getattr(config, "sliding_window", None)
             and getattr(config, "attention_chunk_size", None) is None
             and (q_length == 1 or q_length == kv_length) and isinstance(kv_offset, int)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and (attention_mask is None
-                 or (isinstance(attention_mask, torch.Tensor)
+                 or (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                     and isinstance(attention_mask, torch.Tensor)
                      and attention_mask.shape[-1] >= kv_offset + kv_length
                      and bool(attention_mask.all())))):
         return None
