@@ -125,6 +125,7 @@ def test_lengths_are_read_once_per_version(monkeypatch, backend):
     """A packing read once is not read again (a model's layers share it: one host read, a
     synchronisation on an accelerator, instead of one per layer and pass) until an in-place
     update changes it; a bad update is then refused."""
+    monkeypatch.setattr(varlen_module, "_checked", {})  # no table filled by another test
     reads = []
     real = varlen_module._ends
     monkeypatch.setattr(varlen_module, "_ends", lambda cu: reads.append(1) or real(cu))
@@ -147,7 +148,10 @@ def test_fusion_attention_reads_repeated_lengths_once(monkeypatch, backend):
     lists are checked again."""
     import opforge.compat.torch_npu as compat
 
-    monkeypatch.setattr(compat, "_length_tensors", {})  # none kept from another test
+    # Neither tensors nor checks kept from another test (a full table of checks is
+    # cleared, which would read the kept key lengths again).
+    monkeypatch.setattr(compat, "_length_tensors", {})
+    monkeypatch.setattr(varlen_module, "_checked", {})
     reads = []
     real = varlen_module._ends
     monkeypatch.setattr(varlen_module, "_ends", lambda cu: reads.append(1) or real(cu))
