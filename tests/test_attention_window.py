@@ -14,6 +14,7 @@ from opforge.ops.attention import key_limits, visible_keys
 from opforge.ops.attention_varlen import cumulative
 
 from .conftest import DEVICE, assert_golden, force_attention_tiles
+from .test_attention_masks import _qkv
 
 ATTENTION = opforge.get_op("attention")
 ATTENTION_BACKWARD = opforge.get_op("attention_backward")
@@ -35,13 +36,6 @@ BANDS = [
     (33, 33, False, 4, None),
     (20, 20, False, -5, -8),
 ]
-
-
-def _qkv(b: int, h: int, hkv: int, sq: int, sk: int, d: int, dtype: torch.dtype,
-         seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shapes = ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
-    return [torch.randn(s, generator=generator).to(DEVICE, dtype) for s in shapes]
 
 
 def _both_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
