@@ -32,31 +32,12 @@ from opforge.core.plan import (
     workspace_stats,
 )
 from opforge.core.registry import get_op, list_ops
-from opforge.functional import (
-    add_rms_norm,
-    attention,
-    attention_backward,
-    broadcast_add,
-    embedding_dense_grad,
-    gelu,
-    layer_norm,
-    log_softmax,
-    matmul,
-    mla_prolog,
-    moe_gating_top_k,
-    moe_gating_top_k_softmax,
-    reduce_sum,
-    rms_norm,
-    rope,
-    sigmoid,
-    softmax,
-)
 from opforge.hf import patch, unpatch
 from opforge.profiler import profile
 
 __version__ = "0.1.0"
 
-# The functionals an operator module exports itself (`OpDef.exported`).
+# Every operator's functional, defined in its module (`OpDef.exported`).
 _exported = _registry.functionals()
 globals().update(_exported)
 
@@ -86,37 +67,20 @@ __all__ = [
     "TensorSpec",
     "Tiling",
     "UnsupportedError",
-    "add_rms_norm",
-    "attention",
-    "attention_backward",
     "autotuning",
-    "broadcast_add",
     "cache_stats",
     "calibrate",
     "clear_caches",
     "device_side_checks",
-    "embedding_dense_grad",
-    "gelu",
     "get_op",
-    "layer_norm",
     "list_ops",
-    "log_softmax",
-    "matmul",
-    "mla_prolog",
-    "moe_gating_top_k",
-    "moe_gating_top_k_softmax",
     "patch",
     "plan",
     "profile",
     "profile_for",
-    "reduce_sum",
-    "rms_norm",
-    "rope",
     "set_autotune",
     "set_plan_cache",
     "set_poison",
-    "sigmoid",
-    "softmax",
     "tuning_records",
     "unpatch",
     "use_backend",

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import torch
 
 import opforge.ops.mla_prolog
-import opforge.ops.moe_gating
-import opforge.ops.rms_norm  # noqa: F401 - registers the operators
+import opforge.ops.moe_gating  # noqa: F401 - registers the operators
 from opforge.core.errors import AttrError, ShapeError, UnsupportedError
 from opforge.functional import (
     attention,
@@ -24,8 +23,8 @@ from opforge.functional import (
     moe_gating_top_k_softmax,
     rope,
 )
-from opforge.library import call
 from opforge.ops.attention_varlen import attention_varlen
+from opforge.ops.rms_norm import ADD_RMS_NORM, RMS_NORM
 from opforge.ops.swiglu import SWIGLU
 
 
@@ -36,7 +35,7 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     Raises:
         ShapeError: ``gamma`` is not 1-D of x's last dim. DtypeError, AttrError.
     """
-    y, rstd = call("rms_norm", x, gamma, epsilon)
+    y, rstd = RMS_NORM(x, gamma, epsilon)
     return y, rstd.unsqueeze(-1)
 
 
@@ -64,9 +63,9 @@ def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor,
     """
     if x1.dtype in (torch.float16, torch.bfloat16) and x1.shape == x2.shape:
         total = x1 + x2
-        y, rstd = call("rms_norm", total, gamma, epsilon)
+        y, rstd = RMS_NORM(total, gamma, epsilon)
     else:
-        y, rstd, total = call("add_rms_norm", x1, x2, gamma, epsilon)
+        y, rstd, total = ADD_RMS_NORM(x1, x2, gamma, epsilon)
     return y, rstd.unsqueeze(-1), total
 
 

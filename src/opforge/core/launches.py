@@ -266,7 +266,13 @@ class HeldLaunches:
             self.launcher(plan, inputs, outputs, workspace)
             return
         slots = (*inputs, *outputs, workspace)
-        key = (*[None if t is None else (t.stride(), t.data_ptr() % 16) for t in slots],)
+        layout: list[Any] = []  # flat: each slot's strides and alignment, or None
+        for tensor in slots:
+            if tensor is None:
+                layout.append(None)
+            else:
+                layout += (tensor.stride(), tensor.data_ptr() % 16)
+        key = tuple(layout)
         held = self.layouts.get(key, _MISSING)
         if held is _MISSING:
             present = [t.data_ptr() for t in slots if t is not None]

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import torch
 
 from opforge.core import backends
-from opforge.core.errors import DtypeError, ShapeError
+from opforge.core.errors import AttrError, DtypeError, ShapeError
 from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attr,
@@ -1820,3 +1820,166 @@ def backward(ctx: object, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
 
 register_op(ATTENTION_BACKWARD)
 register_op(ATTENTION)
+
+
+ATTENTION_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
+
+
+def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
+    """A view of ``t`` in ``layout`` as ``(B, N, S, D)`` (no copy)."""
+    if t.dim() != (4 if layout in ("BNSD", "BSND") else 3):
+        raise ShapeError(f"must be {'4' if layout in ('BNSD', 'BSND') else '3'}-D in layout "
+                         f"{layout}", op="attention", param=name, expected=layout,
+                         got=tuple(t.shape))
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if heads is None or heads < 1 or t.shape[-1] % heads:
+        raise ShapeError(f"layout {layout} needs a head count dividing the last dim",
+                         op="attention", param=name, expected="H = heads x D",
+                         got=(tuple(t.shape), heads))
+    if layout == "SBH":
+        t = t.transpose(0, 1)
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def _from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """`_to_bnsd` undone on an output ``(B, N, S, D)``."""
+    if layout == "BNSD":
+        return t
+    t = t.transpose(1, 2)
+    if layout == "BSND":
+        return t
+    t = t.flatten(-2)
+    return t.transpose(0, 1) if layout == "SBH" else t
+
+
+@ATTENTION.exported
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None, return_lse: bool = False, *,
+              attn_mask: torch.Tensor | None = None, layout: str = "BNSD",
+              heads: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, window_left: int | None = None,
+              window_right: int | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
+    matrix in memory); the torch backend (the CPU development path) holds the score
+    matrices of a chunk of query rows at a time (at most 2**24 elements).
+
+    Args:
+        q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, one float
+            dtype, ``H`` a multiple of ``Hkv`` (grouped-query attention), ``D, Dv <= 256``
+            (in ``layout``: see below).
+        causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (aligned to the bottom-right as
+            in FlashAttention and KV-cache decoding; torch's SDPA ``is_causal`` aligns
+            top-left, the same only when ``Sq == Sk``).
+        scale: score scale, ``1 / sqrt(D)`` when None.
+        window_left, window_right: a band around each query's diagonal key ``i + Sk -
+            Sq``: query ``i`` sees keys ``i + Sk - Sq - window_left <= j <= i + Sk - Sq +
+            window_right`` (None: unbounded on that side; negative values shift the band
+            off the diagonal). With ``causal``, keys after the diagonal stay hidden. A
+            sliding window of ``W`` keys (Mistral's, transformers' ``sliding_window``) is
+            ``causal=True, window_left=W - 1``; CANN's band (``sparse_mode`` 4) is
+            ``window_left=pre_tokens, window_right=next_tokens``. The kernels skip the key
+            blocks outside the band: the work is ``O(Sq * W)``, not ``O(Sq * Sk)``.
+        return_lse: also return the float32 (for float64 inputs float64) natural-log
+            log-sum-exp of each query's scaled scores, ``(B, H, Sq)`` in every layout but
+            ``"TND"``'s ``(H, T)`` (``-inf`` for a query that sees no key). A NaN or +inf
+            score (a NaN input, an overflowed ``q.k``) makes its row's out and lse NaN.
+        attn_mask: broadcastable to ``(B, H, Sq, Sk)`` (a lower rank is aligned to the
+            right, as in torch): bool, True where the query sees the key (torch SDPA's
+            convention), or float (q's dtype or float32), added to the scaled scores
+            (``-inf`` hides a key). Combined with ``causal``. The kernels read it per tile
+            (broadcast dims are not expanded in memory); it gets no gradient. A query
+            whose keys are all hidden (by the mask, ``causal`` or the window) gets
+            ``out = 0`` and ``lse = -inf`` (torch's SDPA gives NaN there).
+        layout: ``"BNSD"`` (the shapes above), ``"BSND"`` (``(B, S, N, D)``, as Hugging
+            Face models hold them), ``"BSH"`` (``(B, S, N * D)``) or ``"SBH"``
+            (``(S, B, N * D)``); ``out`` comes back in the same layout. Views, no copies.
+            ``"TND"``: packed sequences ``(T, N, D)`` with ``cu_seqlens_q`` /
+            ``cu_seqlens_k``, run by `opforge.attention_varlen` (lse ``(N, T)``, no
+            ``attn_mask``).
+        heads: the query head count ``N``, needed by ``"BSH"`` and ``"SBH"`` (the key and
+            value heads follow from q's head dim).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the packing of ``"TND"``
+            (see `opforge.attention_varlen`).
+
+    Returns:
+        ``out`` (``(B, H, Sq, Dv)`` in BNSD) in q's dtype, or ``(out, lse)``.
+        Differentiable in q, k, v (and through lse).
+
+    Raises:
+        ShapeError: a rank that does not fit the layout, mismatched batch/lengths/head
+            dims, heads not grouped, a head dim above 256, a mask that does not broadcast,
+            a packed layout without ``heads``. DtypeError: q, k, v of different or
+            unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout;
+            ``"TND"`` without both lengths or with a mask or ``heads``; packing arguments
+            in another layout.
+            IndexRangeError: ``"TND"`` lengths that do not cover the tokens.
+    """
+    if layout not in ATTENTION_LAYOUTS:
+        raise AttrError("unknown layout", op="attention", param="layout",
+                        expected=" | ".join(ATTENTION_LAYOUTS), got=layout)
+    if layout != "TND":
+        # Four reads on every call: the packing arguments, named only on the rare error.
+        if cu_seqlens_q is not None or cu_seqlens_k is not None or max_seqlen_q is not None \
+                or max_seqlen_k is not None:
+            given = next(name for name, value in (
+                ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+                if value is not None)
+            raise AttrError("belongs to layout TND (packed sequences)", op="attention",
+                            param=given, expected="layout='TND'", got=layout)
+    else:
+        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                            ("attn_mask", attn_mask), ("heads", heads)):
+            if (value is None) == name.startswith("cu_"):
+                raise AttrError("TND takes both cumulative lengths, and no attn_mask or "
+                                "heads", op="attention", param=name,
+                                expected="a tensor" if name.startswith("cu_") else None,
+                                got=None if value is None else type(value).__name__)
+        from opforge.ops.attention_varlen import attention_varlen  # it imports this module
+
+        return attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
+            return_lse, window_left=window_left, window_right=window_right)
+    if layout in ("BSH", "SBH"):
+        head_dim = q.shape[-1] // heads if heads else None
+        kv_heads = k.shape[-1] // head_dim if head_dim else None
+        q = _to_bnsd(q, layout, heads, "q")
+        k, v = (_to_bnsd(t, layout, kv_heads, name) for t, name in ((k, "k"), (v, "v")))
+    else:
+        q, k, v = (_to_bnsd(t, layout, None, name) for t, name in ((q, "q"), (k, "k"),
+                                                                      (v, "v")))
+    if attn_mask is not None and 0 < attn_mask.dim() < 4:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    out, lse = ATTENTION(q, k, v, attn_mask, causal, scale, window_left,
+                    window_right)
+    out = _from_bnsd(out, layout)
+    return (out, lse) if return_lse else out
+
+
+@ATTENTION_BACKWARD.exported
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                       scale: float | None = None, grad_lse: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None, window_left: int | None = None,
+                       window_right: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of `attention`, recomputed from the saved ``out`` and ``lse``.
+
+    With ``out`` and ``lse`` of the attention over all keys, ``k``/``v`` may be any block
+    of those keys: the result is that block's share of dq and its dk, dv (ring attention
+    sums the dq shares). ``causal`` then applies to the block's own positions
+    (``Sk - Sq`` offset). ``grad_lse``: the gradient reaching ``lse``, if any.
+    ``attn_mask``, ``window_left``, ``window_right``: the forward's (the mask 4-D, each dim
+    1 or full).
+
+    Raises:
+        ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
+            ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs).
+    """
+    return ATTENTION_BACKWARD(dout, q, k, v, out, lse, grad_lse, attn_mask, causal,
+                scale, window_left, window_right)

@@ -149,3 +149,26 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]
 
 
 register_op(BROADCAST_ADD)
+
+
+@BROADCAST_ADD.exported
+def broadcast_add(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``a + alpha * b`` with NumPy broadcasting (up to 8 dims), like ``torch.add``.
+
+    Args:
+        a, b: float32/float16/bfloat16/float64 tensors of broadcastable shapes, on one
+            device.
+        alpha: multiplier of ``b`` (a finite number).
+
+    Returns:
+        A tensor of the broadcast shape and ``torch.add``'s dtype: ``torch.promote_types(
+        a.dtype, b.dtype)``, except that a 0-d operand beside a dimensioned one keeps the
+        dimensioned one's dtype (fp16 tensor + 0-d float32 tensor: fp16).
+
+    Raises:
+        ShapeError: the shapes cannot be broadcast (the message names both shapes and the
+            offending dim) or have more than 8 dims.
+        DtypeError: an unsupported dtype. DeviceError: inputs on different devices.
+        AttrError: ``alpha`` is not a finite number.
+    """
+    return BROADCAST_ADD(a, b, alpha)

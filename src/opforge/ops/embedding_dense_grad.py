@@ -398,3 +398,31 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 
 
 register_op(EMBEDDING_DENSE_GRAD)
+
+
+@EMBEDDING_DENSE_GRAD.exported
+def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                         padding_idx: int = -1, scale_grad_by_freq: bool = False,
+                         deterministic: bool | None = None, check_range: bool = True
+                         ) -> torch.Tensor:
+    """The embedding table's gradient, equal to ``torch.ops.aten.embedding_dense_backward``:
+    ``out[indices[i]] += grad[i]`` (divided by the index's count when
+    ``scale_grad_by_freq``), rows of ``padding_idx`` skipped, float32 accumulation.
+
+    Args:
+        grad: ``(*indices.shape, D)`` fp32/fp16/bf16. indices: int64, int32, int16, int8
+            or uint8, any shape and layout. deterministic: the sort-based kernel (bitwise
+            reproducible) or the atomic one; None follows
+            ``torch.are_deterministic_algorithms_enabled()``.
+        check_range: check every index before the kernels (one read of the extremes);
+            ``False`` skips it on GPUs only.
+
+    Returns:
+        ``(num_weights, D)`` in grad's dtype.
+
+    Raises:
+        ShapeError: grad's leading dims differ from indices'. DtypeError: unsupported
+        dtypes. IndexRangeError: an index outside ``[0, num_weights)``.
+    """
+    return EMBEDDING_DENSE_GRAD(grad, indices, num_weights, padding_idx,
+                scale_grad_by_freq, deterministic, check_range)

@@ -277,3 +277,15 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
 
 register_op(GELU)
 register_op(GELU_BACKWARD)
+
+
+@GELU.exported
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU like ``torch.nn.functional.gelu``: ``x * Phi(x)`` (``"none"``) or the tanh
+    approximation (``"tanh"``); same shape and dtype as ``x``. The erf form keeps full
+    relative accuracy in the left tail.
+
+    Raises:
+        DtypeError: unsupported dtype. AttrError: ``approximate`` not ``"none"``/``"tanh"``.
+    """
+    return GELU(x, approximate)

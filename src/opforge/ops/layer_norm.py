@@ -458,3 +458,21 @@ def backward(ctx: object, grad_y: torch.Tensor, grad_mean: torch.Tensor | None,
 
 register_op(LAYER_NORM_BACKWARD)
 register_op(LAYER_NORM)
+
+
+@LAYER_NORM.exported
+def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing
+    ``normalized_shape`` dims, like ``torch.nn.functional.layer_norm``: float32 statistics,
+    the variance by a stable method, output in ``x.dtype``.
+
+    Raises:
+        AttrError: ``normalized_shape`` is not the trailing dims of ``x``, or a bad ``eps``.
+        ShapeError: ``weight``/``bias`` do not have ``normalized_shape``.
+        DtypeError: unsupported dtype.
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = [normalized_shape]
+    return LAYER_NORM(x, weight, bias, list(normalized_shape), eps)[0]

@@ -597,3 +597,16 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]
 
 
 register_op(MATMUL)
+
+
+@MATMUL.exported
+def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> torch.Tensor:
+    """``a @ b`` with ``torch.matmul``'s rules (1-D operands promoted and the added dim
+    dropped, batch dims broadcast), float32 accumulation, output in the operands' dtype.
+    float32 products use tf32 on GPUs only with ``allow_tf32=True``.
+
+    Raises:
+        ShapeError: a 0-d operand, mismatched inner dims, or batch dims that do not
+            broadcast. DtypeError: operands of different or unsupported dtypes.
+    """
+    return MATMUL(a, b, allow_tf32)

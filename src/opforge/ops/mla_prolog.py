@@ -1013,3 +1013,41 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 
 
 register_op(MLA_PROLOG)
+
+
+@MLA_PROLOG.exported
+def mla_prolog(token_x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
+               weight_uk: torch.Tensor, weight_dkv_kr: torch.Tensor,
+               rmsnorm_gamma_cq: torch.Tensor, rmsnorm_gamma_ckv: torch.Tensor,
+               rope_sin: torch.Tensor, rope_cos: torch.Tensor, cache_index: torch.Tensor,
+               kv_cache: torch.Tensor, kr_cache: torch.Tensor, *,
+               rmsnorm_epsilon_cq: float = 1e-5, rmsnorm_epsilon_ckv: float = 1e-5,
+               cache_mode: str = "PA_BSND"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek MLA preprocessing with ``torch_npu.npu_mla_prolog``'s (V1) semantics; the
+    formula and rounding points are in `opforge.ops.mla_prolog`. Forward only (an
+    inference operator: no gradient).
+
+    Args:
+        token_x: ``(B, S, He)`` or ``(T, He)``; weight_dq ``(He, Hcq)``; weight_uq_qr
+            ``(Hcq, N (D + Dr))``; weight_uk ``(N, D, Hckv)``; weight_dkv_kr
+            ``(He, Hckv + Dr)``; the gammas ``(Hcq,)``, ``(Hckv,)``; rope_sin/rope_cos
+            ``(*tokens, Dr)`` in the interleave-half layout; all of one float dtype.
+        cache_index: int64/int32 ``(*tokens)``: the cache slot of each token, negative to
+            skip it.
+        kv_cache, kr_cache: ``(BlockNum, BlockSize, 1, Hckv)`` / ``(..., Dr)``, contiguous,
+            updated in place (``cache_mode`` ``"PA_BSND"`` or ``"PA_NZ"``).
+
+    Returns:
+        ``(query (*tokens, N, Hckv), query_rope (*tokens, N, Dr), kv_cache, kr_cache)``:
+        the last two are the updated cache tensors themselves (no copy).
+
+    Raises:
+        ShapeError: inconsistent sizes, naming the tensor. DtypeError: mixed dtypes.
+        IndexRangeError: a slot at or beyond ``BlockNum * BlockSize``. OpError: a cache
+        that is not contiguous. AttrError: a bad epsilon or cache mode.
+    """
+    query, query_rope = MLA_PROLOG(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
+        rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, cache_index, kv_cache,
+        kr_cache, rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, cache_mode)
+    return query, query_rope, kv_cache, kr_cache

@@ -713,3 +713,76 @@ def softmax_backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.T
 
 register_op(MOE_GATING_TOP_K)
 register_op(MOE_GATING_TOP_K_SOFTMAX)
+
+
+@MOE_GATING_TOP_K.exported
+def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = None,
+                     k_group: int = 1, group_count: int = 1, group_select_mode: int = 0,
+                     renorm: int = 0, norm_type: int = 0, out_flag: bool = False,
+                     routed_scaling_factor: float = 1.0, eps: float = 1e-20,
+                     sigmoid_renorm: bool = True, index_dtype: torch.dtype = torch.int32
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MoE routing with CANN MoeGatingTopK's semantics (formula in
+    `opforge.ops.moe_gating`): softmax (``norm_type=0``) or sigmoid (1) scores in float32,
+    ``bias`` for selection only, the best ``k_group`` of ``group_count`` groups (by max,
+    ``group_select_mode=0``, or top-2 sum, 1), top-k (ties: lower index), weights from the
+    un-biased scores, renormalised with ``+ eps`` for softmax when ``renorm=1`` and for
+    sigmoid unless ``sigmoid_renorm=False`` (CANN always renormalises sigmoid weights;
+    DeepSeek-V3's ``norm_topk_prob=False`` does not), times ``routed_scaling_factor``.
+
+    Args:
+        x: ``(..., E)`` fp16/bf16/fp32 logits, E <= 8192 (leading dims are flattened into
+            rows and restored on the outputs). bias: ``(E,)`` of x's dtype or float32 (a
+            float32 correction bias beside bf16 logits, as DeepSeek-V3 keeps it).
+        index_dtype: ``torch.int32`` (CANN's) or ``torch.int64`` (what ``one_hot``,
+            ``index_select`` and transformers' experts take).
+
+    Returns:
+        ``(y (..., k) in x's dtype, expert_idx (..., k) of index_dtype, out)``; ``out`` is
+        the float32 scores ``(..., E)`` when ``out_flag``, else an empty float32 tensor.
+        ``y`` is differentiable with respect to ``x`` (not through the selection).
+
+    Raises:
+        ShapeError: x of no dims or a bad bias shape. DtypeError: a bias of another dtype,
+        an index dtype other than int32/int64. AttrError: any constraint (``1 <= k <= E``,
+        ``E % group_count == 0``, ``1 <= k_group <= group_count``,
+        ``k <= k_group * E / group_count``, 2+ experts a group in mode 1).
+    """
+    if index_dtype not in (torch.int32, torch.int64):
+        raise DtypeError("must be int32 or int64", op="moe_gating_top_k", param="index_dtype",
+                         expected="int32 | int64", got=str(index_dtype))
+    if x.dim() == 0:
+        raise ShapeError("must have an experts dim", op="moe_gating_top_k", param="x",
+                         expected="(..., E)", got=tuple(x.shape))
+    leading = x.shape[:-1]
+    y, idx, out = MOE_GATING_TOP_K(x.reshape(-1, x.shape[-1]), bias, k, k_group,
+                       group_count, group_select_mode, renorm, norm_type, out_flag,
+                       routed_scaling_factor, eps, sigmoid_renorm, False)
+    if x.dim() != 2:
+        y, idx = y.view(*leading, k), idx.view(*leading, k)
+        out = out.view(*leading, x.shape[-1]) if out_flag else out
+    return y, idx.to(index_dtype), out
+
+
+@MOE_GATING_TOP_K_SOFTMAX.exported
+def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
+                             k: int = 1, round_scores: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k of ``softmax(x)`` over the last dim with MoeGatingTopKSoftmax's outputs.
+
+    Args:
+        x: 2-D or 3-D logits. finished: bool of x's leading dims; those rows get expert
+            index E. k: 1..min(E, 1024).
+        round_scores: select on the probabilities rounded to x's dtype (ties to the lower
+            expert), as the vendor's float16 golden does; by default the float32
+            probabilities decide (more precise).
+
+    Returns:
+        ``(y, expert_idx, row_idx)`` of shape ``(*x.shape[:-1], k)``: y in x's dtype,
+        int32 indices, ``row_idx[..., j] = j * N + i`` for flattened row i of N. y is
+        differentiable through the gathered softmax scores (finished rows included).
+
+    Raises:
+        ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
+    """
+    return MOE_GATING_TOP_K_SOFTMAX(x, finished, k, round_scores)

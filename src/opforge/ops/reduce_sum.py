@@ -371,3 +371,19 @@ def sum_to_shape(grad: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
         return grad.reshape(shape).to(dtype)
     summed = REDUCE_SUM(grad, list(dims), True, scale)
     return summed.reshape(shape).to(dtype)
+
+
+@REDUCE_SUM.exported
+def reduce_sum(x: torch.Tensor, dims: int | Sequence[int] | None = None,
+               keepdim: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x.sum(dims)`` accumulated in float32, output in ``x.dtype``.
+
+    ``dims=None`` reduces every dim; ``dims=()`` reduces none, as CANN's ReduceSum does
+    (``torch.sum(x, dim=())`` reduces every dim).
+
+    Raises:
+        AttrError: a dim out of range or repeated. DtypeError: unsupported dtype.
+    """
+    if isinstance(dims, int):
+        dims = [dims]
+    return REDUCE_SUM(x, None if dims is None else list(dims), keepdim, scale)

@@ -431,3 +431,38 @@ def add_backward(ctx: object, grad_y: torch.Tensor, grad_rstd: torch.Tensor | No
 register_op(RMS_NORM_BACKWARD)
 register_op(RMS_NORM)
 register_op(ADD_RMS_NORM)
+
+
+@RMS_NORM.exported
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim, like
+    ``torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)``; statistics in float32,
+    output in torch's promoted dtype of ``x`` and ``weight`` (``x.dtype`` without a weight;
+    float32 for a bfloat16 ``x`` with a float32 weight, as Hugging Face's RMSNorm returns),
+    rounded once. `opforge.compat.torch_npu.npu_rms_norm` also returns ``rstd``.
+
+    Args:
+        x: float32/float16/bfloat16/float64, any leading shape.
+        weight: ``[x.shape[-1]]`` of any float dtype, or ``None``.
+        eps: a finite number >= 0.
+
+    Raises:
+        ShapeError: ``weight`` is not 1-D of x's last dim. DtypeError: unsupported dtype.
+        AttrError: ``eps`` negative or not finite.
+    """
+    return RMS_NORM(x, weight, eps)[0]
+
+
+@ADD_RMS_NORM.exported
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused residual add and RMSNorm: ``s = x + residual`` (float32, rounded once to
+    ``x.dtype``), returns ``(rms_norm(s, weight, eps), s)``, reading each input once.
+
+    Raises:
+        ShapeError: ``residual`` differs from ``x`` in shape, or a bad ``weight``.
+        DtypeError: unsupported dtype. AttrError: bad ``eps``.
+    """
+    y, _, total = ADD_RMS_NORM(x, residual, weight, eps)
+    return y, total

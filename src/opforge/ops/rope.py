@@ -483,3 +483,21 @@ def backward(ctx: object, grad: torch.Tensor
 
 register_op(ROPE_BACKWARD)
 register_op(ROPE)
+
+
+@ROPE.exported
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str = "half"
+         ) -> torch.Tensor:
+    """Rotary position embedding over the last dim of ``x`` (even): ``"half"`` (GPT-NeoX),
+    ``"interleave"`` (GPT-J / DeepSeek complex pairs) or ``"interleave_half"`` (CANN's form,
+    de-interleaved output). ``cos``/``sin`` have x's last dim, broadcast over its leading
+    dims, and are laid out ``[θ0 … θ(d/2−1), θ0 … θ(d/2−1)]`` for ``"half"`` and
+    ``"interleave_half"``, ``[θ0, θ0, θ1, θ1, …]`` for ``"interleave"``
+    (`opforge.ops.rope.rope_tables` builds them). Same shape and dtype as ``x``.
+    Differentiable in ``x`` and in tables that require grad.
+
+    Raises:
+        ShapeError: an odd last dim, or tables that do not match x. AttrError: bad mode.
+        DtypeError: unsupported dtype.
+    """
+    return ROPE(x, cos, sin, mode)

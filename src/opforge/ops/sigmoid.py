@@ -161,3 +161,13 @@ def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
 
 register_op(SIGMOID)
 register_op(SIGMOID_BACKWARD)
+
+
+@SIGMOID.exported
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` without overflow for any |x|; same shape and dtype as ``x``.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+    """
+    return SIGMOID(x)

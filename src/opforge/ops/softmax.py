@@ -687,3 +687,29 @@ register_op(SOFTMAX_BACKWARD)
 register_op(LOG_SOFTMAX_BACKWARD)
 register_op(SOFTMAX)
 register_op(LOG_SOFTMAX)
+
+
+@SOFTMAX.exported
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` over ``dim``, like ``torch.softmax``: the row
+    max is subtracted and the statistics are float32, so no input overflows; rows of only
+    ``-inf`` give NaN, as in torch. Same shape and dtype as ``x``; long rows (up to 2^31
+    columns) use the online multi-block variant.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+        AttrError: ``dim`` is out of range for ``x``.
+    """
+    return SOFTMAX(x, dim)
+
+
+@LOG_SOFTMAX.exported
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x - max - log(sum(exp(x - max)))`` over ``dim``, like ``torch.log_softmax``;
+    same shape and dtype as ``x``, float32 statistics.
+
+    Raises:
+        DtypeError: ``x`` is not float32/float16/bfloat16/float64.
+        AttrError: ``dim`` is out of range for ``x``.
+    """
+    return LOG_SOFTMAX(x, dim)
