@@ -151,7 +151,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("_allocations", "_direct", "_empty", "_launcher", "_mutated", "_steps",
+    __slots__ = ("_allocations", "_direct", "_empty", "_launcher", "_mutated", "_output_bytes",
+                 "_steps",
                  "attrs", "backend", "cost", "grid", "hardware", "inputs", "op", "outputs",
                  "tiling", "workspace_bytes")
 
@@ -184,6 +185,7 @@ class Plan:
                 self._launcher = HeldLaunches(self._launcher)
             if backends.interpreter_enabled():
                 self._launcher = _locked(self._launcher)
+        self._output_bytes = tuple(spec.numel * spec.itemsize for spec in self.outputs)
         self._allocations = tuple((spec.shape, contiguous_strides(spec.shape), spec.dtype,
                                    spec.device) for spec in self.outputs)
 
@@ -228,7 +230,8 @@ class Plan:
                                      expected="None" if spec is None else spec,
                                      got="None" if tensor is None else TensorSpec.of(tensor))
             else:
-                _check_against(tensor, spec, self.op.name, self.op.inputs[index].name)
+                if not _matches(tensor, spec):
+                    _raise_mismatch(tensor, spec, self.op.name, self.op.inputs[index].name)
         return tensors
 
     def _outputs(self, out: torch.Tensor | Sequence[torch.Tensor] | None,
@@ -254,28 +257,35 @@ class Plan:
         # Kernels write contiguous outputs, or any layout whose elements are distinct where
         # the operator says its launchers honour strides; else a strided `out` is filled
         # through a copy. An out overlapping an input goes through a fresh buffer too.
-        # The common call (contiguous outs of their own memory) costs a dozen attribute
-        # reads per tensor: this runs on every `run(out=)`, beside a launch of a few µs.
+        # The common call (contiguous outs of their own memory) costs a few attribute reads
+        # per tensor: this runs on every `run(out=)`, beside a launch of a few µs.
         spans: list[tuple[int, int]] | None = None  # the inputs'
         out_spans: list[tuple[int, int]] = []
         names = self.op.outputs
         targets = []
         for index, tensor in enumerate(given):
             spec = self.outputs[index]
-            _check_against(tensor, spec, self.op.name, names[index].name)
-            if not tensor.numel():  # no element to write or to overlap anything
-                out_spans.append((0, 0))
-                targets.append(tensor if tensor.is_contiguous() or self.op.strided_out
-                               else allocate(spec))
-                continue
+            if not _matches(tensor, spec):
+                _raise_mismatch(tensor, spec, self.op.name, names[index].name)
+            nbytes = self._output_bytes[index]  # the tensor's: it has the spec's shape and dtype
             contiguous = tensor.is_contiguous()  # distinct elements by construction
-            distinct = contiguous or _distinct_elements(tensor)
-            if not distinct and _repeated_offsets(tensor):
-                raise OpError("has elements that share memory (an expanded or overlapping "
-                              "view)", op=self.op.name, param=names[index].name,
-                              expected="an out whose elements are distinct",
-                              got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
-            start, end = span = _span(tensor)
+            if not nbytes:  # no element to write or to overlap anything
+                out_spans.append((0, 0))
+                targets.append(tensor if contiguous or self.op.strided_out else allocate(spec))
+                continue
+            if contiguous:
+                start = tensor.data_ptr()
+                end = start + nbytes
+                distinct = True
+            else:
+                distinct = _distinct_elements(tensor)
+                if not distinct and _repeated_offsets(tensor):
+                    raise OpError("has elements that share memory (an expanded or "
+                                  "overlapping view)", op=self.op.name,
+                                  param=names[index].name,
+                                  expected="an out whose elements are distinct",
+                                  got=f"shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+                start, end = _span(tensor)
             for earlier, (other_start, other_end) in enumerate(out_spans):
                 if start < other_end and other_start < end and \
                         _share_elements(tensor, given[earlier]):
@@ -284,27 +294,23 @@ class Plan:
                                   expected="outs of their own memory",
                                   got=f"storage offsets {tensor.storage_offset()} and "
                                       f"{given[earlier].storage_offset()} of one storage")
-            out_spans.append(span)
+            out_spans.append((start, end))
             if spans is None:
-                spans = [_span(t) for t in inputs if t is not None and t.numel()]
-            direct = (contiguous or (self.op.strided_out and distinct)) and not \
-                self._overlaps_an_input(tensor, span, spans, inputs)
+                spans = _spans(inputs)
+            direct = contiguous or (self.op.strided_out and distinct)
+            if direct:
+                for input_start, input_end in spans:
+                    if start < input_end and input_start < end:
+                        direct = not self._overlaps_an_input(tensor, (start, end), inputs)
+                        break
             targets.append(tensor if direct else allocate(spec))
         return targets, given
 
     def _overlaps_an_input(self, out: torch.Tensor, span: tuple[int, int],
-                           spans: Sequence[tuple[int, int]],
                            inputs: Sequence[torch.Tensor | None]) -> bool:
-        """Whether ``out`` (its memory range ``span``) meets one of the input ``spans``,
-        other than as the very same elements of an in-place operator's input (checked on
-        the rare overlap only: this runs on every ``run(out=)``; loops, not generators,
-        for its host cost)."""
+        """Whether ``out`` (its memory range ``span``, which meets an input's) overlaps an
+        input other than as the very same elements of an in-place operator's input."""
         start, end = span
-        for input_start, input_end in spans:
-            if start < input_end and input_start < end:
-                break
-        else:
-            return False
         for t in inputs:
             if t is None or not t.numel():
                 continue
@@ -393,15 +399,11 @@ class Plan:
         scratch = (self._workspace(workspace, [*inputs, *targets]) if self.workspace_bytes
                    else None)
         if not self._empty:
-            self._launch(inputs, targets, scratch)
+            self._launcher(self, inputs, targets, scratch)
         for target, result in zip(targets, results):
             if target is not result:
                 result.copy_(target)
         return results
-
-    def _launch(self, inputs: Sequence[torch.Tensor | None], targets: Sequence[torch.Tensor],
-                scratch: torch.Tensor | None) -> None:
-        self._launcher(self, inputs, targets, scratch)
 
     def _workspace(self, workspace: torch.Tensor | None,
                    tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -465,6 +467,19 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
         reach = (size - 1) * stride * tensor.element_size()
         start, end = (start + reach, end) if reach < 0 else (start, end + reach)
     return start, end + tensor.element_size()
+
+
+def _spans(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, int]]:
+    """`_span` of each tensor given (an empty contiguous one spans nothing)."""
+    spans = []
+    for tensor in tensors:
+        if tensor is not None:
+            if tensor.is_contiguous():  # inline: `_span` would read contiguity again
+                start = tensor.data_ptr()
+                spans.append((start, start + tensor.nbytes))
+            elif tensor.numel():
+                spans.append(_span(tensor))
+    return spans
 
 
 def _check_writable(tensor: torch.Tensor | None, op: str, name: str) -> None:
@@ -555,15 +570,19 @@ def _check_dense(tensor: torch.Tensor, op: str, name: str) -> None:
                       got=str(tensor.layout))
 
 
-def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
+def _matches(tensor: Any, spec: TensorSpec) -> bool:
+    """Whether ``tensor`` is a dense tensor of ``spec`` (the common case, in one
+    expression: a dtype is a singleton)."""
+    try:
+        return tensor.dtype is spec.dtype and tensor.shape == spec.shape and \
+            tensor.layout is torch.strided and tensor.device == spec.device
+    except AttributeError:
+        return False
+
+
+def _raise_mismatch(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
     """Raises the typed error for a tensor that is not of ``spec`` (a plan's input or
     output): not a tensor, not dense, another dtype, shape or device."""
-    try:  # the common case in one expression (a dtype is a singleton)
-        if tensor.dtype is spec.dtype and tensor.shape == spec.shape and \
-                tensor.layout is torch.strided and tensor.device == spec.device:
-            return
-    except AttributeError:
-        pass
     if not isinstance(tensor, torch.Tensor):
         raise DtypeError("is not a tensor", op=op, param=name, expected="torch.Tensor",
                          got=type(tensor).__name__)
@@ -574,9 +593,8 @@ def _check_against(tensor: Any, spec: TensorSpec, op: str, name: str) -> None:
     if tensor.shape != spec.shape:
         raise ShapeError("shape differs from the plan's", op=op, param=name,
                          expected=tuple(spec.shape), got=tuple(tensor.shape))
-    if tensor.device != spec.device:
-        raise DeviceError("device differs from the plan's", op=op, param=name,
-                          expected=str(spec.device), got=str(tensor.device))
+    raise DeviceError("device differs from the plan's", op=op, param=name,
+                      expected=str(spec.device), got=str(tensor.device))
 
 
 def run_reference(plan: Plan, inputs: Sequence[torch.Tensor | None],
