@@ -89,30 +89,69 @@ def per_call_us(call: Callable[[], Any], calls: int, repeats: int,
     return min(samples)
 
 
-# The calls of the speed targets, on shapes of a decode step or a small row block;
-# every other operator runs its smallest verification sample.
+# Every operator's common call, on shapes of a decode step or a small row block: the
+# backward operators on what their forward's case saves (the smallest verification sample
+# is often an edge case, a reduction over dim 0 or a transposed input, that copies).
 def curated(device: torch.device) -> dict[str, Case]:
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator).to(device)
 
-    x, weight, bias = randn(8, 256), randn(256), randn(256)
+    def saved(op: str, *inputs: torch.Tensor | None, **attrs: Any) -> list[torch.Tensor]:
+        """Tensors of the shapes and dtypes of ``op``'s outputs (what a forward saves)."""
+        return [torch.randn(spec.shape, generator=generator).to(device, spec.dtype)
+                for spec in opforge.plan(op, *inputs, **attrs).outputs]
+
+    x, grad, weight, bias = randn(8, 256), randn(8, 256), randn(256), randn(256)
     q, k, v = randn(1, 2, 16, 32), randn(1, 2, 16, 32), randn(1, 2, 16, 32)
+    rows, cos, sin = randn(1, 2, 16, 64), randn(16, 64), randn(16, 64)
+    hidden, classes = randn(8, 64), randn(256, 64)
+    target = torch.randint(0, 256, (8,), generator=generator).to(device)
+    _, rstd = saved("rms_norm", x, weight)
+    _, mean, layer_rstd = saved("layer_norm", x, weight, bias, normalized_shape=[256])
+    out, lse = saved("attention", q, k, v, None, causal=True)
+    _, row_lse = saved("cross_entropy", x, target)
+    loss = torch.ones((), device=device)
     return {
         "softmax": Case("8x256", (x,), {"dim": -1}),
+        "softmax_backward": Case("8x256", (grad, x), {"dim": -1}),
         "log_softmax": Case("8x256", (x,), {"dim": -1}),
+        "log_softmax_backward": Case("8x256", (grad, x), {"dim": -1}),
         "rms_norm": Case("8x256", (x, weight), {"eps": 1e-6}),
+        "rms_norm_backward": Case("8x256", (grad, x, rstd, weight), {"eps": 1e-6}),
+        "add_rms_norm": Case("8x256", (x, grad, weight), {"eps": 1e-6}),
         "layer_norm": Case("8x256", (x, weight, bias), {"normalized_shape": [256]}),
+        "layer_norm_backward": Case("8x256", (grad, x, mean, layer_rstd, weight, bias),
+                                    {"normalized_shape": [256]}),
         "gelu": Case("8x256", (x,), {}),
+        "gelu_backward": Case("8x256", (grad, x), {}),
         "sigmoid": Case("8x256", (x,), {}),
+        "sigmoid_backward": Case("8x256", (grad, x), {}),
+        "silu": Case("8x256", (x,), {}),
+        "silu_backward": Case("8x256", (grad, x), {}),
+        "swiglu": Case("8x512", (randn(8, 512),), {}),
+        "swiglu_backward": Case("8x512", (grad, randn(8, 512)), {}),
         "broadcast_add": Case("8x256+256", (x, bias), {}),
+        "reduce_sum": Case("8x256 rows", (x,), {"dims": [-1]}),
         "matmul": Case("16x64@64x64", (randn(16, 64), randn(64, 64)), {}),
+        "rope": Case("b1h2s16d64", (rows, cos, sin), {}),
+        "rope_backward": Case("b1h2s16d64", (rows, cos, sin), {}),
         "attention": Case("b1h2s16d32", (q, k, v, None), {"causal": True}),
+        "attention_backward": Case("b1h2s16d32", (randn(1, 2, 16, 32), q, k, v, out, lse, None,
+                                                          None),
+                                   {"causal": True}),
+        "cross_entropy": Case("8x256", (x, target), {}),
+        "cross_entropy_backward": Case("8x256", (loss, x, target, row_lse), {}),
+        "fused_linear_cross_entropy": Case("8x64@256x64", (hidden, classes, target), {}),
+        "fused_linear_cross_entropy_backward": Case("8x64@256x64",
+                                                    (loss, hidden, classes, target), {}),
+        "embedding_dense_grad": Case("t8 v256", (hidden, target), {"num_weights": 256}),
         "mla_prolog": Case("t16", mla_inputs(16, torch.float32, device, generator), {}),
         "moe_gating_top_k": Case("t1e256", (randn(1, 256), None),
                                  {"k": 8, "k_group": 4, "group_count": 8,
                                   "norm_type": 1}),
+        "moe_gating_top_k_softmax": Case("t1e64", (randn(1, 64), None), {"k": 8}),
     }
 
 

@@ -306,6 +306,30 @@ def test_a_layout_first_seen_aliased_is_not_held_for_calls_without_the_alias(bac
     torch.testing.assert_close(y, torch.softmax(inputs, -1))
 
 
+def test_empty_slots_do_not_stop_holding(fresh_plans):
+    """layer_norm_backward without affine has two empty outputs, both at address 0 (torch
+    gives every empty tensor that address): its launches are held all the same, and each
+    replay takes its call's tensors."""
+    from opforge.core.launches import HeldLaunches
+
+    x = torch.randn(8, 64, device=DEVICE)
+    _, mean, rstd = torch.ops.opforge.layer_norm(x, None, None, [64])
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("layer_norm_backward", x, x, mean, rstd, None, None,
+                            normalized_shape=[64])
+        held = HeldLaunches(plan.op.launchers["triton"])
+        scratch = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=DEVICE)
+        for _ in range(2):
+            grad = torch.randn(8, 64, device=DEVICE)
+            outputs = [torch.full(spec.shape, float("nan"), device=DEVICE)
+                       for spec in plan.outputs]
+            held(plan, (grad, x, mean, rstd, None, None), outputs, scratch)
+            assert [o.data_ptr() for o in outputs[1:]] == [0, 0]
+            torch.testing.assert_close(outputs[0], torch.ops.opforge.layer_norm_backward(
+                grad, x, mean, rstd, None, None, [64])[0])
+    assert [launches is not None for launches in held.layouts.values()] == [True]
+
+
 def test_the_eager_entry_bumps_the_version_of_updated_inputs(backend):
     """A cache saved for a backward and then updated by mla_prolog is autograd's usual
     error on both paths, never a gradient of the overwritten values."""

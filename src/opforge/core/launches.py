@@ -275,7 +275,8 @@ class HeldLaunches:
         key = tuple(layout)
         held = self.layouts.get(key, _MISSING)
         if held is _MISSING:
-            present = [t.data_ptr() for t in slots if t is not None]
+            # Empty tensors (torch gives each the address 0) hold nothing to confuse.
+            present = [t.data_ptr() for t in slots if t is not None and t.numel()]
             if len(self.layouts) >= MAX_LAYOUTS or len(set(present)) < len(present):
                 # Slots that share an address (an out that is an input, one tensor given
                 # twice) cannot tell which slot a launch argument came from: not held,

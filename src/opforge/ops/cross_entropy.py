@@ -158,6 +158,24 @@ def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs:
             "_sum_rows_kernel": Cost(rows, partials + target + loss)}
 
 
+def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
+                        outputs: Specs, attrs: Attrs) -> int:
+    """The float32 count of kept targets, which the mean's gradient divides by."""
+    return 4 if attrs["reduction"] == "mean" else 0
+
+
+def _backward_kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs,
+                           outputs: Specs, attrs: Attrs) -> dict[str, Cost]:
+    """The mean's count of kept targets comes from its own one-program kernel."""
+    if attrs["reduction"] != "mean":
+        return {}
+    rows, _ = _geometry(inputs)
+    whole = _cost(True)(inputs, outputs, attrs)
+    target = inputs[2].numel * inputs[2].itemsize
+    return {"_cross_entropy_backward_kernel": Cost(whole.flops, whole.bytes_moved + 4),
+            "_count_kept_kernel": Cost(rows, target + 4)}
+
+
 def _tiling(backward: bool) -> object:
     """The forward: ``rows`` when ``BLOCK_M`` whole rows (and their float32 copies) fit on
     chip, else ``looped`` with shrinking blocks. The backward: tiles of ``BLOCK_M`` rows by
@@ -435,6 +453,7 @@ CROSS_ENTROPY_BACKWARD = OpDef(
     infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape)],
     infer_dtype=lambda inputs, attrs: [inputs[1].dtype], check=_check(BACKWARD_NAME, True),
     check_values=_check_values, cost=_cost(True), tiling=_tiling(True), grid=_grid,
+    workspace=_backward_workspace, kernel_costs=_backward_kernel_costs,
     samples=_backward_samples, error_scale=_error_scale,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_cross_entropy_backward,
                             sweep=_backward_sweep, known_limitations=(SHARED_ROW_STATISTIC,)))
@@ -555,27 +574,43 @@ def _cross_entropy_kernel(x_ptr, target_ptr, loss_ptr, lse_ptr, M, N, stride_x,
 
 
 @jit
+def _kept(target_ptr, M, ignore_index, BLOCK: tl.constexpr):
+    """The float32 count of targets other than ``ignore_index``."""
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, M, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + offsets, mask=offsets < M,
+                         other=ignore_index)  # integer index
+        count += tl.where(target != ignore_index, 1.0, 0.0)
+    return tl.sum(count, axis=0)
+
+
+@jit
 def _sum_rows_kernel(loss_ptr, target_ptr, out_ptr, M, ignore_index, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr):
     """The rows' float32 losses added in a fixed order by one program; for the mean,
     each divided by the row count first (rows of near float32's largest loss would
     overflow their plain sum), then scaled by rows / kept rows."""
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    count = tl.zeros([BLOCK], dtype=tl.float32)
     inverse_m = 1.0 / tl.maximum(M, 1).to(tl.float32)
     for start in range(0, M, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < M
-        row_loss = tl.load(loss_ptr + offsets, mask=mask, other=0.0)  # float32 partial
+        row_loss = tl.load(loss_ptr + offsets, mask=offsets < M, other=0.0)  # float32 partial
         if MEAN:
             row_loss = row_loss * inverse_m
         total += row_loss
-        target = tl.load(target_ptr + offsets, mask=mask, other=ignore_index)  # integer index
-        count += tl.where(target != ignore_index, 1.0, 0.0)
     result = tl.sum(total, axis=0)
     if MEAN:
-        result = result * (tl.maximum(M, 1).to(tl.float32) / tl.sum(count, axis=0))
+        result = result * (tl.maximum(M, 1).to(tl.float32) / _kept(target_ptr, M, ignore_index,
+                                                                   BLOCK))
     tl.store(out_ptr, rounded_for(result, out_ptr))
+
+
+@jit
+def _count_kept_kernel(target_ptr, count_ptr, M, ignore_index, BLOCK: tl.constexpr):
+    """The mean's divisor for the backward, by one program: a float32 count of targets
+    other than ``ignore_index``."""
+    tl.store(count_ptr, _kept(target_ptr, M, ignore_index, BLOCK))
 
 
 @jit
@@ -652,8 +687,11 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     logits, target = _rows_of(logits), target.contiguous()
     rows, classes = logits.shape
     reduction = plan.attrs["reduction"]
-    count = (target != plan.attrs["ignore_index"]).sum(dtype=torch.float32) \
-        if reduction == "mean" else lse
+    count = lse  # unread without the mean
+    if reduction == "mean":
+        count = workspace.view(torch.float32)
+        _count_kept_kernel[(1,)](target, count, rows, plan.attrs["ignore_index"],
+                                 BLOCK=SUM_BLOCK)
     _cross_entropy_backward_kernel[plan.grid](
         grad.contiguous(), logits, target, lse.contiguous(), count, outputs[0], rows, classes,
         logits.stride(0), plan.attrs["ignore_index"], plan.attrs["label_smoothing"],
