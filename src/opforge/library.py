@@ -325,7 +325,7 @@ def _entry(opdef: OpDef, op: Any, function: type[torch.autograd.Function],
 
     def dispatched(args: tuple[Any, ...]) -> Any:
         # No read of `opdef` here: torch.compile would guard that the closure's OpDef is
-        # the one it was called through, a Python guard costing 0.4 µs a compiled call.
+        # the one it was called through (a Python guard: 0.15 µs a compiled call).
         for attr, allowed, value in zip(attrs, types, args[count:]):
             if type(value) not in allowed:
                 attr.validate(value, attr_owner)
