@@ -155,6 +155,11 @@ def curated(device: torch.device) -> dict[str, Case]:
     }
 
 
+# Floating inputs a common call does not differentiate (rope's tables come from the
+# rotary module's buffers); every other floating input requires grad in the fwd+bwd rows.
+CONSTANT_INPUTS = {"rope": ("cos", "sin")}
+
+
 def case_of(opdef: OpDef, device: torch.device) -> Case:
     chosen = curated(device).get(opdef.name)
     if chosen is not None:
@@ -270,8 +275,11 @@ def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
         if held.workspace_bytes else None
     peer = opdef.precision.peer
     differentiable = opdef.backward_fn is not None
-    leaves = [t.detach().requires_grad_(differentiable and t.is_floating_point())
-              if isinstance(t, torch.Tensor) else t for t in case.inputs]
+    fixed = CONSTANT_INPUTS.get(opdef.name, ())
+    leaves = [t.detach().requires_grad_(differentiable and t.is_floating_point()
+                                        and arg.name not in fixed)
+              if isinstance(t, torch.Tensor) else t
+              for t, arg in zip(case.inputs, opdef.inputs, strict=False)]
     wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     phases: dict[str, list[Launch]] = {}
     phase = ["forward"]

@@ -244,16 +244,21 @@ def test_softmax_variant_gradient_through_the_chosen_scores(backend):
 
 
 def test_softmax_variant_finished_rows_and_row_idx(backend):
-    x = _logits(6, 10).view(2, 3, 10)
-    finished = torch.tensor([[False, True, False], [False, False, True]], device=DEVICE)
-    y, idx, row_idx = opforge.moe_gating_top_k_softmax(x, finished, k=2)
-    values, indices = torch.softmax(x, -1).topk(2, -1)
-    torch.testing.assert_close(y, values)
-    assert torch.equal(idx[~finished], indices[~finished].int())
-    assert (idx[finished] == 10).all()
-    flat = row_idx.view(6, 2)
-    assert flat[:, 1].tolist() == [6 + i for i in range(6)] and flat[:, 0].tolist() == \
-        list(range(6))
+    """Each call's own rows are finished: the second call replays the first's launches
+    (the gating step's and the finishing kernel's) on its own tensors."""
+    opforge.clear_caches()
+    for seed, finished in enumerate(([[False, True, False], [False, False, True]],
+                                     [[True, False, False], [False, True, False]])):
+        x = _logits(6, 10, seed=seed).view(2, 3, 10)
+        finished = torch.tensor(finished, device=DEVICE)
+        y, idx, row_idx = opforge.moe_gating_top_k_softmax(x, finished, k=2)
+        values, indices = torch.softmax(x, -1).topk(2, -1)
+        torch.testing.assert_close(y, values)
+        assert torch.equal(idx[~finished], indices[~finished].int())
+        assert (idx[finished] == 10).all()
+        flat = row_idx.view(6, 2)
+        assert flat[:, 1].tolist() == [6 + i for i in range(6)] and flat[:, 0].tolist() == \
+            list(range(6))
 
 
 def test_works_under_torch_compile():

@@ -209,6 +209,13 @@ def _source(argument: torch.Tensor, slots: Sequence[torch.Tensor | None]
             continue
         if slot.data_ptr() == address and slot.dtype == argument.dtype:
             return index, None
+    if not argument.numel():
+        # A kernel reads no element of an empty tensor: an empty view of any contiguous
+        # slot, in the argument's dtype, stands for it (a composite's unused output).
+        for index, slot in enumerate(slots):
+            if slot is not None and slot.is_contiguous():
+                return index, _byte_view(0, 0, argument.dtype)
+        return None
     for index, slot in enumerate(slots):
         if slot is None or not slot.is_contiguous() or not argument.is_contiguous():
             continue

@@ -579,8 +579,8 @@ def _kept(target_ptr, M, ignore_index, BLOCK: tl.constexpr):
     count = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, M, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        target = tl.load(target_ptr + offsets, mask=offsets < M,
-                         other=ignore_index)  # integer index
+        in_range = offsets < M
+        target = tl.load(target_ptr + offsets, mask=in_range, other=ignore_index)  # integer index
         count += tl.where(target != ignore_index, 1.0, 0.0)
     return tl.sum(count, axis=0)
 
@@ -610,7 +610,7 @@ def _sum_rows_kernel(loss_ptr, target_ptr, out_ptr, M, ignore_index, MEAN: tl.co
 def _count_kept_kernel(target_ptr, count_ptr, M, ignore_index, BLOCK: tl.constexpr):
     """The mean's divisor for the backward, by one program: a float32 count of targets
     other than ``ignore_index``."""
-    tl.store(count_ptr, _kept(target_ptr, M, ignore_index, BLOCK))
+    tl.store(count_ptr, _kept(target_ptr, M, ignore_index, BLOCK))  # float32 statistic
 
 
 @jit

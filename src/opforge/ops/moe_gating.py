@@ -51,7 +51,6 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
-from opforge.core.plan import plan as make_plan
 from opforge.core.tiling import (
     MAX_PROGRAMS,
     cdiv,
@@ -598,8 +597,26 @@ if triton is not None:
                 tl.store(scores_ptrs, rounded_for(norm, out_ptr), mask=mask)
 
 
+    @triton.jit
+    def _finish_rows_kernel(idx_ptr, finished_ptr, row_idx_ptr, R, K, E,
+                            HAS_FINISHED: tl.constexpr, BLOCK: tl.constexpr):
+        """For flat ``(R, K)`` indices: ``row_idx[i, j] = j * R + i``, and the experts of
+        a finished row set to ``E``."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < R * K
+        row = offsets // K
+        index = ((offsets - row * K) * R + row).to(tl.int32)
+        tl.store(row_idx_ptr + offsets, index, mask=mask)  # integer index
+        if HAS_FINISHED:
+            done = tl.load(finished_ptr + row, mask=mask, other=0)  # boolean mask (uint8)
+            chosen = tl.load(idx_ptr + offsets, mask=mask)  # integer index
+            tl.store(idx_ptr + offsets, tl.where(done != 0, E, chosen), mask=mask)  # integer index
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher
+
+FINISH_BLOCK = 1024
 
 
 @MOE_GATING_TOP_K.launcher("triton")
@@ -628,18 +645,23 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 @MOE_GATING_TOP_K_SOFTMAX.launcher("triton")
 def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
                    outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """The gating kernel (softmax, no groups) on the flattened rows, writing y and the
-    indices in place; then finished rows and row_idx."""
+    """The gating step (softmax, no groups) on the flattened rows, writing y and the
+    indices in place; then one kernel for the finished rows and row_idx."""
     x, finished = inputs
     experts = x.shape[-1]
     flat = x.reshape(-1, experts)
-    y, idx, row_idx = (t.view(flat.shape[0], -1) for t in outputs)
-    make_plan(MOE_GATING_TOP_K, flat, None, k=plan.attrs["k"],
-              round_scores=plan.attrs["round_scores"]).run(
-        flat, None, out=(y, idx, torch.empty(0, device=x.device)))
-    new_idx, new_rows = _finished_and_rows(idx, finished, experts)
-    idx.copy_(new_idx)
-    row_idx.copy_(new_rows)
+    rows = flat.shape[0]
+    y, idx, row_idx = (t.view(rows, -1) for t in outputs)
+    # The step's scores output (off here) is empty: an empty float32 view of row_idx
+    # stands for it, where a fresh tensor would be an allocation on every call.
+    unused_scores = row_idx.view(torch.float32).reshape(-1)[:0]
+    plan.run_step("gating", MOE_GATING_TOP_K, flat, None, out=(y, idx, unused_scores),
+                  k=plan.attrs["k"], round_scores=plan.attrs["round_scores"])
+    count = row_idx.numel()
+    _finish_rows_kernel[(cdiv(count, FINISH_BLOCK),)](
+        idx, idx if finished is None else finished.contiguous().view(torch.uint8), row_idx,
+        rows, plan.attrs["k"], experts, HAS_FINISHED=finished is not None,
+        BLOCK=FINISH_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
