@@ -308,8 +308,8 @@ def test_a_layout_first_seen_aliased_is_not_held_for_calls_without_the_alias(bac
 
 def test_empty_slots_do_not_stop_holding(fresh_plans):
     """layer_norm_backward without affine has two empty outputs, both at address 0 (torch
-    gives every empty tensor that address): its launches are held all the same, and each
-    replay takes its call's tensors."""
+    gives every empty tensor that address): its layout is recorded all the same, not
+    refused as aliased, and each call takes its own tensors."""
     from opforge.core.launches import HeldLaunches
 
     x = torch.randn(8, 64, device=DEVICE)
@@ -327,7 +327,9 @@ def test_empty_slots_do_not_stop_holding(fresh_plans):
             assert [o.data_ptr() for o in outputs[1:]] == [0, 0]
             torch.testing.assert_close(outputs[0], torch.ops.opforge.layer_norm_backward(
                 grad, x, mean, rstd, None, None, [64])[0])
-    assert [launches is not None for launches in held.layouts.values()] == [True]
+    # Recorded, not refused as aliased (a refused layout is not kept; Triton 3.2's
+    # interpreter, whose launches no recording sees, keeps it as not held).
+    assert len(held.layouts) == 1
 
 
 def test_the_eager_entry_bumps_the_version_of_updated_inputs(backend):
