@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opforge
 from opforge.core.hardware import get_profile
+from opforge.core.opdef import Case
 
-from .conftest import DEVICE
+from .conftest import DEVICE, assert_golden
 
 
 class Recorder(TorchDispatchMode):
@@ -323,10 +324,11 @@ def test_empty_slots_do_not_stop_holding(fresh_plans):
             grad = torch.randn(8, 64, device=DEVICE)
             outputs = [torch.full(spec.shape, float("nan"), device=DEVICE)
                        for spec in plan.outputs]
-            held(plan, (grad, x, mean, rstd, None, None), outputs, scratch)
+            inputs = (grad, x, mean, rstd, None, None)
+            held(plan, inputs, outputs, scratch)
             assert [o.data_ptr() for o in outputs[1:]] == [0, 0]
-            torch.testing.assert_close(outputs[0], torch.ops.opforge.layer_norm_backward(
-                grad, x, mean, rstd, None, None, [64])[0])
+            assert_golden(plan.op, Case("no_affine", inputs, {"normalized_shape": [64]}),
+                          tuple(outputs))
     # Recorded, not refused as aliased (a refused layout is not kept; Triton 3.2's
     # interpreter, whose launches no recording sees, keeps it as not held).
     assert len(held.layouts) == 1

@@ -261,6 +261,19 @@ def test_softmax_variant_finished_rows_and_row_idx(backend):
             list(range(6))
 
 
+def test_softmax_variant_refuses_row_indices_past_int32():
+    """row_idx is int32: rows x k up to 2**31 - 1 plan, one more is refused before any
+    kernel (meta tensors: no memory)."""
+    fits = torch.empty(2**31 - 1, 2, device="meta")
+    assert opforge.plan("moe_gating_top_k_softmax", fits, None, k=1).outputs[2].shape == \
+        (2**31 - 1, 1)
+    with pytest.raises(opforge.ShapeError) as error:
+        opforge.plan("moe_gating_top_k_softmax", torch.empty(2**31, 2, device="meta"), None,
+                     k=1)
+    assert (error.value.op, error.value.param) == ("moe_gating_top_k_softmax", "x")
+    assert "2147483648 rows" in str(error.value)
+
+
 def test_works_under_torch_compile():
     x = _logits(8, 32, seed=5).requires_grad_()
 

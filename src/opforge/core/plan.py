@@ -32,6 +32,7 @@ from opforge.core.errors import (
 from opforge.core.hardware import HardwareProfile, hardware_setting, profile_for
 from opforge.core.launches import HeldLaunches
 from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
+from opforge.core.shapes import contiguous_strides
 from opforge.core.workspace import WorkspacePool
 
 _POISON = {"enabled": os.environ.get("OPFORGE_POISON", "0") not in ("", "0")}
@@ -67,15 +68,6 @@ def _poisoned(tensor: torch.Tensor) -> torch.Tensor:
     elif tensor.dtype != torch.bool:
         tensor.fill_(torch.iinfo(tensor.dtype).max)
     return tensor
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def allocate(spec: TensorSpec) -> torch.Tensor:

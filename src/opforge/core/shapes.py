@@ -116,3 +116,12 @@ def numel(shape: Sequence[int]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

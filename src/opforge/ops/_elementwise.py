@@ -10,6 +10,7 @@ common cases (same-shape contiguous: 1 dim; bias add: 2 dims) pay little index a
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from opforge.core.opdef import (
     TensorArg,
     Tiling,
 )
-from opforge.core.shapes import is_unknown_rank
+from opforge.core.shapes import contiguous_strides, is_unknown_rank
 from opforge.core.tiling import INT32_LIMIT, cdiv, next_power_of_2, persistent_grid
 
 try:
@@ -271,11 +272,8 @@ def _layout(shape: tuple[int, ...], a_layout: tuple[tuple[int, ...], tuple[int, 
     `MAX_DIMS` dims stay after collapsing. Cached: a call's layout repeats from call to
     call, and working it out is most of the launcher's host time."""
     operands = [a_layout] + ([b_layout] if b_layout is not None else [])
-    out_strides, step = [], 1
-    for size in reversed(shape):
-        out_strides.insert(0, step)
-        step *= size
-    strides = [_broadcast_strides(shape, *layout) for layout in operands] + [out_strides]
+    strides = [_broadcast_strides(shape, *layout) for layout in operands] + [
+        list(contiguous_strides(shape))]
     sizes, merged = collapse_dims(shape, strides)
     if len(sizes) > MAX_DIMS:
         return None
@@ -286,7 +284,8 @@ def _layout(shape: tuple[int, ...], a_layout: tuple[tuple[int, ...], tuple[int, 
     b_strides = [0] * pad + merged[1] if b_layout is not None else [0] * MAX_DIMS
     # The leading real dim's stride goes in slot 0; trailing dims stay right-aligned.
     arguments = [*slots[1:], a_strides[pad], *a_strides[1:], b_strides[pad], *b_strides[1:]]
-    reach = max(step, *(sum((s - 1) * abs(st) for s, st in zip(sizes, m)) + 1 for m in merged))
+    reach = max(math.prod(shape),
+                *(sum((s - 1) * abs(st) for s, st in zip(sizes, m)) + 1 for m in merged))
     return ndim, arguments, reach > INT32_LIMIT
 
 

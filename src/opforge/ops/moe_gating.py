@@ -52,6 +52,7 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.tiling import (
+    INT32_LIMIT,
     MAX_PROGRAMS,
     cdiv,
     gpu_warps,
@@ -317,6 +318,13 @@ def _check_softmax(inputs: Specs, attrs: Attrs) -> None:
     if not 1 <= attrs["k"] <= x.shape[-1]:
         raise AttrError("must be in 1..E", op=op, param="k", expected=f"1..{x.shape[-1]}",
                         got=attrs["k"])
+    leading = x.shape[:-1]
+    # row_idx is int32 (CANN's): its largest value, (k - 1) * rows + rows - 1, must fit.
+    if all(type(size) is int for size in leading) and \
+            math.prod(leading) * attrs["k"] > INT32_LIMIT:
+        raise ShapeError("has more rows x k than int32 row indices hold", op=op, param="x",
+                         expected=f"rows x k <= {INT32_LIMIT}",
+                         got=f"{math.prod(leading)} rows x k {attrs['k']}")
 
 
 def _softmax_shapes(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
