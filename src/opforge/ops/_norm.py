@@ -125,8 +125,8 @@ def backward_workspace(geometry: Geometry, partial_sets: Callable[[Specs], int]
 def backward_kernel_costs(geometry: Geometry, partial_sets: Callable[[Specs], int],
                           cost: Callable[[Specs, Specs, Attrs], Cost]) -> Callable[..., dict]:
     """The row kernel (the operator's ``cost``, plus the weight read and the float32
-    partials written) and one launch of the kernel that sums a set of partials (weight's,
-    then bias's: read once, the gradient written)."""
+    partials written) and the one launch that sums every set of partials (weight's and
+    bias's: read once, the gradients written)."""
     def costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
               attrs: Attrs) -> dict[str, Cost]:
         _, cols = geometry(inputs, attrs)
@@ -136,7 +136,8 @@ def backward_kernel_costs(geometry: Geometry, partial_sets: Callable[[Specs], in
         gradient = cols * inputs[0].itemsize
         return {"norm_backward_kernel": Cost(rows_cost.flops, rows_cost.bytes_moved
                                              + sets * (gradient + partials)),
-                "sum_partials_kernel": Cost(grid[0] * cols, partials + gradient)}
+                "sum_partials_kernel": Cost(sets * grid[0] * cols,
+                                            sets * (partials + gradient))}
     return costs
 
 
@@ -231,13 +232,24 @@ if triton is not None:
         return tl.where(mask, (s - shift[:, None]) - mean[:, None], 0.0), mask
 
     @triton.jit
-    def _affine(x_hat, weight_ptr, bias_ptr, offsets, N, HAS_WEIGHT: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+    def _parameter_block(ptr, offsets, N, PRESENT: tl.constexpr):
+        """A weight's or bias's values over ``offsets`` in float32 (1 when absent). Kernels
+        with whole rows on chip load them once a program, not once a row: at one row a
+        program step they were a third (rms_norm's backward) to a half (layer_norm's
+        forward) more load requests than the rows themselves."""
+        if PRESENT:
+            return widen(tl.load(ptr + offsets, mask=offsets < N, other=0.0))
+        else:
+            return 1.0
+
+    @triton.jit
+    def _affine(x_hat, weight, bias, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """``x_hat * weight + bias`` over rows, with `_parameter_block`'s vectors."""
         y = x_hat
         if HAS_WEIGHT:
-            y *= widen(tl.load(weight_ptr + offsets, mask=offsets < N, other=0.0))[None, :]
+            y *= weight[None, :]
         if HAS_BIAS:
-            y += widen(tl.load(bias_ptr + offsets, mask=offsets < N, other=0.0))[None, :]
+            y += bias[None, :]
         return y
 
     @triton.jit
@@ -248,6 +260,8 @@ if triton is not None:
                             LOOPED: tl.constexpr, WIDE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         cols = tl.arange(0, BLOCK_N)
+        row_weight = _parameter_block(weight_ptr, cols, N, HAS_WEIGHT and not LOOPED)
+        row_bias = _parameter_block(bias_ptr, cols, N, HAS_BIAS and not LOOPED)
         for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
             rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
             if WIDE:
@@ -325,8 +339,10 @@ if triton is not None:
                     deviation, mask = _deviation_block(
                         x_ptr, residual_ptr, rows, row_mask, offsets, N, stride_x, stride_r,
                         shift, mean, HAS_RESIDUAL)
-                    y = _affine((deviation * scale[:, None]) * inverse[:, None], weight_ptr,
-                                bias_ptr, offsets, N, HAS_WEIGHT, HAS_BIAS)
+                    y = _affine((deviation * scale[:, None]) * inverse[:, None],
+                                _parameter_block(weight_ptr, offsets, N, HAS_WEIGHT),
+                                _parameter_block(bias_ptr, offsets, N, HAS_BIAS),
+                                HAS_WEIGHT, HAS_BIAS)
                     outs = y_ptr + rows[:, None] * N + offsets[None, :]
                     tl.store(outs, rounded_for(y, y_ptr), mask=mask)
                 if CENTER:
@@ -368,8 +384,8 @@ if triton is not None:
                                         variance)
                 inverse = 1.0 / tl.sqrt(variance + eps * scale * scale)
                 rstd = scale * inverse
-                y = _affine((deviation * scale[:, None]) * inverse[:, None], weight_ptr,
-                            bias_ptr, cols, N, HAS_WEIGHT, HAS_BIAS)
+                y = _affine((deviation * scale[:, None]) * inverse[:, None], row_weight,
+                            row_bias, HAS_WEIGHT, HAS_BIAS)
                 outs = y_ptr + rows[:, None] * N + cols[None, :]
                 tl.store(outs, rounded_for(y, y_ptr), mask=mask)
             if CENTER:
@@ -377,20 +393,16 @@ if triton is not None:
             tl.store(rstd_ptr + rows, rounded_for(rstd, rstd_ptr), mask=row_mask)
 
     @triton.jit
-    def _grad_block(grad_ptr, x_ptr, weight_ptr, row, offsets, stride_g, stride_x, N, mean,
-                    rstd, HAS_WEIGHT: tl.constexpr):
+    def _grad_block(grad_ptr, x_ptr, weight, row, offsets, stride_g, stride_x, N, mean,
+                    rstd):
         """(grad, x_hat, lifted * grad * weight) of one block of a row, in float32, with
-        ``lifted`` the part of rstd applied first (`_rstd_split`)."""
+        ``lifted`` the part of rstd applied first (`_rstd_split`) and ``weight`` the
+        block's (`_parameter_block`)."""
         mask = offsets < N
         grad = widen(tl.load(grad_ptr + row * stride_g + offsets, mask=mask, other=0.0))
         x = widen(tl.load(x_ptr + row * stride_x + offsets, mask=mask, other=0.0))
         x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
-        lifted = _rstd_split(rstd)[0]
-        if HAS_WEIGHT:
-            return grad, x_hat, lifted * grad * widen(tl.load(weight_ptr + offsets,
-                                                              mask=mask, other=0.0))
-        else:
-            return grad, x_hat, lifted * grad
+        return grad, x_hat, _rstd_split(rstd)[0] * grad * weight
 
     @triton.jit
     def _offset_row(mean, rstd):
@@ -443,6 +455,7 @@ if triton is not None:
                     tl.store(partial_b + offsets, zeros, mask=offsets < N)
         sum_w = tl.zeros([BLOCK_N], dtype=tl.float32)
         sum_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+        row_weight = _parameter_block(weight_ptr, cols, N, HAS_WEIGHT and not LOOPED)
         for row in range(program, M, programs):
             if WIDE:
                 row = row.to(tl.int64)
@@ -456,9 +469,9 @@ if triton is not None:
                 sum_gx = 0.0
                 sum_x = 0.0
                 for start in range(0, N, BLOCK_N):
-                    grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
-                                                      start + cols, stride_g, stride_x, N,
-                                                      mean, rstd, HAS_WEIGHT)
+                    grad, x_hat, grad_w = _grad_block(
+                        grad_ptr, x_ptr, _parameter_block(weight_ptr, start + cols, N, HAS_WEIGHT),
+                        row, start + cols, stride_g, stride_x, N, mean, rstd)
                     sum_g += tl.sum(grad_w, axis=0)
                     sum_gx += tl.sum(grad_w * x_hat, axis=0)
                     sum_x += tl.sum(x_hat, axis=0)
@@ -472,9 +485,9 @@ if triton is not None:
                     mean_g = 0.0
                 for start in range(0, N, BLOCK_N):
                     offsets = start + cols
-                    grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row,
-                                                      offsets, stride_g, stride_x, N, mean,
-                                                      rstd, HAS_WEIGHT)
+                    grad, x_hat, grad_w = _grad_block(
+                        grad_ptr, x_ptr, _parameter_block(weight_ptr, offsets, N, HAS_WEIGHT),
+                        row, offsets, stride_g, stride_x, N, mean, rstd)
                     x_hat = tl.where(offsets < N, x_hat - drift, 0.0)
                     _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, offsets,
                                   N)
@@ -486,9 +499,8 @@ if triton is not None:
                         acc = tl.load(partial_b + offsets, mask=mask, other=0.0)
                         tl.store(partial_b + offsets, acc + grad, mask=mask)
             else:
-                grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, weight_ptr, row, cols,
-                                                  stride_g, stride_x, N, mean, rstd,
-                                                  HAS_WEIGHT)
+                grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, row_weight, row, cols,
+                                                  stride_g, stride_x, N, mean, rstd)
                 if RECENTRE:
                     # The saved mean is the forward's rough one: on a row whose mean stands
                     # beyond its spread, x - mean is exact but off by the mean's rounding,
@@ -511,22 +523,30 @@ if triton is not None:
                 tl.store(partial_b + cols, sum_b, mask=cols < N)
 
     @triton.jit
-    def sum_partials_kernel(partial_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def sum_partials_kernel(partial_ptr, out_ptr, second_out_ptr, P, N,
+                            BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
         # Column sums of the (P, N) partials, BLOCK_P rows a step in a fixed order
         # (deterministic): one row a step left one load in flight, and a program's chain of
-        # P dependent loads was latency-bound.
+        # P dependent loads was latency-bound. The grid's second dim is the set of
+        # partials: the weight's into out, the bias's (the next P rows) into second_out,
+        # in one launch.
         parts = tl.arange(0, BLOCK_P)
+        first_set = tl.program_id(1) == 0
+        partials = partial_ptr + tl.cast(tl.program_id(1), tl.int64) * P * N
         for block in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
             offsets = block * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < N
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, P, BLOCK_P):
                 rows = start + parts
-                tile = tl.load(partial_ptr + rows[:, None] * N + offsets[None, :],
+                tile = tl.load(partials + rows[:, None] * N + offsets[None, :],
                                mask=(rows < P)[:, None] & mask[None, :], other=0.0)
                 total += tl.sum(tile, axis=0)
-            tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
+            if first_set:
+                tl.store(out_ptr + offsets, rounded_for(total, out_ptr), mask=mask)
+            else:
+                tl.store(second_out_ptr + offsets, rounded_for(total, second_out_ptr),
+                         mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,7 +634,6 @@ def launch_backward(plan: object, cols: int, grad: torch.Tensor, x: torch.Tensor
     block = min(SUM_BLOCK, max(MIN_SUM_BLOCK, next_power_of_2(
         cdiv(cols, plan.hardware.core_count))))
     parts = min(next_power_of_2(programs), max(1, SUM_TILE // block))
-    for index, out in enumerate(sums):
-        sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)),)](
-            partials[index * programs * cols:], out, programs, cols, BLOCK_P=parts,
-            BLOCK=block)
+    if sums:
+        sum_partials_kernel[(max(1, min(cdiv(cols, block), MAX_PROGRAMS)), len(sums))](
+            partials, sums[0], sums[-1], programs, cols, BLOCK_P=parts, BLOCK=block)
