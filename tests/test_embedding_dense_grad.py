@@ -4,6 +4,7 @@ with Zipf-repeated indices, padding and frequency scaling, index dtypes, errors.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ import opforge
 import opforge.nn
 from opforge.core import backends
 from opforge.core.hardware import get_profile
-from opforge.ops.embedding_dense_grad import use_deterministic, zipf_indices
+from opforge.core.opdef import Case
+from opforge.ops.embedding_dense_grad import SORTED_CHUNK, use_deterministic, zipf_indices
 
-from .conftest import DEVICE, LOW_PRECISION, assert_golden
+from .conftest import DEVICE, LOW_PRECISION, assert_golden, needs_triton
 
 OP = opforge.get_op("embedding_dense_grad")
 
@@ -61,6 +63,66 @@ def test_deterministic_kernel_is_bitwise_stable_over_runs_and_grids():
     assert all(torch.equal(run, runs[0]) for run in runs)
 
 
+def _runs(lengths: list[int], seed: int) -> torch.Tensor:
+    """Indices whose sorted order holds runs of these lengths (run i of index 2i, so that
+    unused rows lie between them), at shuffled positions."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)) * 2, torch.tensor(lengths))
+    return ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("lengths", [
+    [SORTED_CHUNK, SORTED_CHUNK, 1],            # runs ending exactly at chunk ends
+    [SORTED_CHUNK - 1, 2, SORTED_CHUNK * 3, 5],  # runs across one and across three chunks
+    [SORTED_CHUNK * 4 + 3],                      # one run over every chunk
+    [1] * (SORTED_CHUNK + 1),                    # a run per position
+    [3, SORTED_CHUNK * 2 - 3, 1, 1],             # a run from inside one chunk to another's end
+], ids=["chunk_ends", "across", "one_run", "singles", "inside_to_end"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_deterministic_runs_across_chunk_boundaries(lengths, dtype, backend):
+    """Every way a run of equal indices can meet the deterministic kernel's chunks: the
+    float64 golden within the dtype's bound, scaled by frequency too."""
+    indices = _runs(lengths, seed=len(lengths)).to(DEVICE)
+    grad = torch.randn(indices.numel(), 37, generator=torch.Generator().manual_seed(7)).to(
+        DEVICE, dtype)
+    for freq in (False, True):
+        case = Case("runs", (grad, indices), {"num_weights": 2 * len(lengths),
+                                              "deterministic": True,
+                                              "scale_grad_by_freq": freq})
+        assert_golden(OP, case, opforge.plan(OP, *case.inputs, **case.attrs).run(*case.inputs))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_non_finite_row_stays_in_its_own_index(deterministic, backend):
+    """A NaN and an Inf gradient row, beside a hot index whose run spans chunks: only their
+    own indices' rows are non-finite (a sum that multiplied by 0 to mask would spread the
+    NaN to the whole chunk)."""
+    indices = _runs([SORTED_CHUNK * 3, 2, 1, 4], seed=3).to(DEVICE)
+    grad = torch.randn(indices.numel(), 5, device=DEVICE)
+    grad[(indices == 2).nonzero()[0, 0], 1] = float("nan")
+    grad[(indices == 4).nonzero()[0, 0], 3] = float("inf")
+    out = opforge.embedding_dense_grad(grad, indices, 8, deterministic=deterministic)
+    assert_golden(OP, Case("non_finite", (grad, indices),
+                           {"num_weights": 8, "deterministic": deterministic}), out)
+    assert out[[0, 6]].isfinite().all() and out[2, 1].isnan() and out[4, 3].isinf()
+
+
+@needs_triton
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_kernels_skip_indices_outside_the_table(deterministic):
+    """What ``check_range=False`` leaves to the kernels on a GPU: an index outside the
+    table adds nothing and writes nowhere (the launcher run on unchecked indices)."""
+    grad = torch.randn(6, 8, device=DEVICE)
+    indices = torch.tensor([1, -3, 2, 9, 1, 2**40], device=DEVICE)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan(OP, grad, indices, num_weights=4, deterministic=deterministic)
+        out = torch.full((4, 8), float("nan"), device=DEVICE)
+        workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=DEVICE)
+        OP.launchers["triton"](plan, [grad, indices], [out], workspace)
+    kept = torch.tensor([True, False, True, False, True, False], device=DEVICE)
+    assert_golden(OP, Case("in_table", (grad[kept], indices[kept]),
+                           {"num_weights": 4, "deterministic": deterministic}), out)
+
+
 def test_index_dtypes_and_leading_shapes(backend):
     grad, indices = _data(positions=60, seed=4)
     expected = opforge.embedding_dense_grad(grad, indices, 40)
@@ -95,6 +157,39 @@ def test_none_follows_torch_deterministic_setting():
     finally:
         torch.use_deterministic_algorithms(previous)
     assert use_deterministic({**attrs, "deterministic": True})
+
+
+@needs_triton
+def test_one_plan_with_none_follows_torch_s_setting_at_every_run():
+    """A plan made with ``deterministic=None`` runs the kernels torch's setting asks for
+    at each run, also after its launches could have been held (a replay would keep the
+    first run's kernels)."""
+    from opforge.ops import embedding_dense_grad as module
+
+    grad, indices = _data(positions=100, seed=8)
+    sorted_kernel = module._sorted_chunk_kernel
+    sorted_runs = []
+    original = type(sorted_kernel).run
+
+    def spy(self, *args, **kwargs):
+        sorted_runs.append(self is sorted_kernel)
+        return original(self, *args, **kwargs)
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        with opforge.use_backend("triton"), \
+                mock.patch.object(type(sorted_kernel), "run", spy):
+            plan = opforge.plan(OP, grad, indices, num_weights=40)
+            torch.use_deterministic_algorithms(False)
+            for _ in range(3):
+                plan.run(grad, indices)
+            assert not any(sorted_runs)
+            torch.use_deterministic_algorithms(True)
+            out = plan.run(grad, indices)
+            assert any(sorted_runs)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert_golden(OP, Case("none", (grad, indices), {"num_weights": 40}), out)
 
 
 @pytest.mark.parametrize("bad", [-1, 40])

@@ -400,7 +400,9 @@ class OpDef:
             outputs are empty; raises `OpError` subclasses.
         held_launches: a plan records the kernel launches its launcher makes per layout
             and replays them (`opforge.core.launches`); ``False`` for a launcher whose
-            launches a replay cannot hold (arguments it makes per call).
+            launches a replay cannot hold (arguments it makes per call), or a predicate
+            on the plan's attributes (launches that follow a global setting under some
+            attribute values).
         inplace_out: each program reads the input elements it writes over before it writes
             them, so ``Plan.run(out=)`` may hand the launchers an ``out`` that is an input
             itself (the same elements, ``out=x``: elementwise and row operators); any
@@ -432,7 +434,7 @@ class OpDef:
     bench: BenchSpec | None = None
     strided_out: bool = False
     inplace_out: bool = False
-    held_launches: bool = True
+    held_launches: bool | Callable[[Attrs], bool] = True
     reference_fn: Callable[..., Any] | None = None
     launchers: dict[str, Launcher] = field(default_factory=dict)
     decliners: dict[str, Callable[[Specs, Attrs], str | None]] = field(default_factory=dict)

@@ -13,18 +13,24 @@ in grad's dtype. A negative ``padding_idx`` skips nothing (indices are never neg
 Two kernels:
 
 ``atomic``
-    one program per block of positions adds its gradient rows into a float32 table with
-    atomic adds (fast; the order of the additions, hence the last bits, varies between
-    runs), then one pass rounds the table to grad's dtype.
+    one program per block of positions adds its gradient rows into a zeroed float32 table
+    with atomic adds (fast; the order of the additions, hence the last bits, varies
+    between runs), then one pass rounds the table to grad's dtype. Three kernels and no
+    torch operator, so a plan holds its launches (`launches`).
 ``deterministic``
     the positions are sorted by index (a stable sort: equal indices keep their position
-    order), each run of equal indices is one segment, and one program sums a segment's
-    rows in that fixed order: the result is bitwise identical across runs and grid sizes.
+    order) and cut into chunks of `SORTED_CHUNK`; a segmented scan sums each run of equal
+    indices within a chunk, and a run that spans chunks (a frequent token's) is the sum of
+    its chunks' partials in chunk order. Every sum's order is fixed by the sorted
+    positions alone, so the result is bitwise identical across runs and grid sizes. A hot
+    index's rows are summed by as many programs as it has chunks, and then its partials,
+    one per 32 positions, by one program per column block (one program summing every
+    row of it serialised a Zipf head).
 
 ``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()``. Every index
 (other than ``padding_idx``) must lie in ``[0, num_weights)``: checked before any kernel
 (``IndexRangeError``) at the cost of one read of the extremes, which ``check_range=False``
-skips on GPUs (an out-of-range index then writes outside the table).
+skips on GPUs (the kernels then skip an out-of-range index: it adds nothing).
 
 Forward only: this is itself a gradient operator (no double backward).
 """
@@ -67,6 +73,9 @@ except ImportError:  # pragma: no cover
 NAME = "embedding_dense_grad"
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 COLUMN_BLOCK = 1024
+TABLE_BLOCK = 1024  # elements a program zeroes or rounds at once in the float32 table
+SORTED_CHUNK = 32  # sorted positions a tile of the deterministic kernel sums
+SORTED_COLUMNS = 128  # its columns: CHUNK x 128 float32 values and run ids in registers
 
 
 def _check(inputs: Specs, attrs: Attrs) -> None:
@@ -94,32 +103,42 @@ def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
 
 def _kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
                   attrs: Attrs) -> dict[str, Cost]:
-    """Atomic: each gradient row added into the float32 table (a read and a write of the
-    table row per position), then the table rounded into the output. Deterministic: one
-    pass over the sorted positions that writes each present row once (the sort and the
-    segment bounds are torch's operators, costed as theirs)."""
+    """Atomic: the float32 table zeroed, each gradient row added into it (a read and a
+    write of the table row per position), then the table rounded into the output.
+    Deterministic (the sort is torch's operator, costed as its own): the gradient read
+    once, the sorted keys and positions once per column block, each present row written
+    once, and at most two float32 partial rows a chunk written, then read by the
+    combining pass."""
     grad, indices = inputs
     positions = indices.numel
     width = grad.shape[-1] if grad.shape else 1
     read = grad.numel * grad.itemsize + positions * indices.itemsize
     table = outputs[0].numel
     if use_deterministic(attrs):
-        return {"_segment_kernel": Cost(flops=grad.numel, bytes_moved=read + positions * 8
-                                        + min(positions * width, table)
-                                        * outputs[0].itemsize)}
-    return {"_atomic_kernel": Cost(flops=grad.numel, bytes_moved=read + 8 * grad.numel),
+        partials = 2 * cdiv(positions, SORTED_CHUNK) * width * 4
+        return {"_sorted_chunk_kernel": Cost(
+                    flops=grad.numel, bytes_moved=grad.numel * grad.itemsize + 16 * positions
+                    * cdiv(width, tiling.blocks["SORTED_D"]) + partials
+                    + min(positions * width, table) * outputs[0].itemsize),
+                "_sorted_combine_kernel": Cost(flops=positions * width // SORTED_CHUNK,
+                                               bytes_moved=partials)}
+    return {"_zero_table_kernel": Cost(flops=0, bytes_moved=4 * table),
+            "_atomic_kernel": Cost(flops=grad.numel, bytes_moved=read + 8 * grad.numel),
             "_round_table_kernel": Cost(flops=0, bytes_moved=table
                                         * (4 + outputs[0].itemsize))}
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    """``BLOCK_M`` positions x ``BLOCK_D`` columns of the gradient (columns in blocks of
-    at most 1024)."""
+    """The atomic kernel's ``BLOCK_M`` positions x ``BLOCK_D`` columns of the gradient
+    (columns in blocks of at most 1024); the deterministic kernel's `SORTED_CHUNK`
+    positions x ``SORTED_D`` columns (at most `SORTED_COLUMNS`). Both in one tiling: with
+    ``deterministic=None`` the kernel is chosen at each run."""
     width = inputs[0].shape[-1]
     block_d = min(COLUMN_BLOCK, next_power_of_2(max(width, 1)))
     block_m = max(1, min(64, 4096 // block_d))
-    return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_D": block_d},
+    sorted_d = min(SORTED_COLUMNS, next_power_of_2(max(width, 1)))
+    return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_D": block_d, "SORTED_D": sorted_d},
                    block_m * block_d * 8, options={"warps": gpu_warps(block_m * block_d,
                                                                        hardware)})]
 
@@ -133,8 +152,13 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
 
 def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
                attrs: Attrs) -> int:
-    """The float32 table of the atomic kernel (the deterministic one needs none)."""
-    return 4 * outputs[0].numel
+    """The float32 table of the atomic kernel, or the deterministic kernel's two float32
+    partial rows a chunk; the larger where ``deterministic=None`` leaves the choice to
+    each run (the functional resolves it first)."""
+    atomic = 4 * outputs[0].numel
+    chunks = 2 * cdiv(math.prod(inputs[1].shape), SORTED_CHUNK) * inputs[0].shape[-1] * 4
+    chosen = attrs["deterministic"]
+    return max(atomic, chunks) if chosen is None else chunks if chosen else atomic
 
 
 def zipf_indices(shape: Sequence[int], num_weights: int, generator: torch.Generator,
@@ -158,14 +182,23 @@ def flat_indices(indices: torch.Tensor) -> torch.Tensor:
 
 def _checked_range(flat: torch.Tensor, attrs: Attrs) -> None:
     """Raises IndexRangeError for an index of ``flat`` (`flat_indices`, what the kernels
-    read) outside [0, num_weights) (padding_idx aside)."""
+    read) outside [0, num_weights) (padding_idx aside), by one host read of the extremes.
+    """
     if not flat.numel():
         return
-    flat = flat[flat != attrs["padding_idx"]] if attrs["padding_idx"] >= 0 else flat
-    if not flat.numel():
-        return
-    low, high = int(flat.min()), int(flat.max())
-    if low < 0 or high >= attrs["num_weights"]:
+    padding, num_weights = attrs["padding_idx"], attrs["num_weights"]
+    if padding >= 0 and num_weights:
+        # padding_idx counted as row 0: a boolean selection of the kept indices and their
+        # min and max were three synchronisations on a GPU.
+        flat = flat.masked_fill(flat == padding, 0)
+    elif padding >= 0:  # an empty table: no row to count padding as
+        flat = flat[flat != padding]
+        if not flat.numel():
+            return
+    extremes = torch.aminmax(flat)
+    low, high = (extremes.min.item(), extremes.max.item()) if flat.device.type == "cpu" \
+        else torch.stack(extremes).tolist()
+    if low < 0 or high >= num_weights:
         raise IndexRangeError("holds an index outside the table", op=NAME, param="indices",
                               expected=f"0..{attrs['num_weights'] - 1}",
                               got=low if low < 0 else high)
@@ -175,6 +208,12 @@ def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
     """The index range, unless ``check_range=False`` lets a GPU skip it."""
     if plan.attrs["check_range"] or inputs[0].device.type != "cuda":
         _checked_range(flat_indices(inputs[1]), plan.attrs)
+
+
+def _holds_launches(attrs: Attrs) -> bool:
+    """``deterministic=None`` chooses the kernels at each run, by torch's setting: a
+    replay would keep the first run's."""
+    return attrs["deterministic"] is not None
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -258,6 +297,7 @@ EMBEDDING_DENSE_GRAD = OpDef(
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check,
     check_values=_check_values, cost=_cost, tiling=_tiling, grid=_grid, workspace=_workspace,
     kernel_costs=_kernel_costs, samples=_samples, error_scale=_sum_scale,
+    held_launches=_holds_launches,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_embedding_backward,
                             sweep=_sweep, known_limitations=(OVERFLOWING_ROW_SUM,)),
     bench=BenchSpec(shapes=((4096, 4096, 128256), (16384, 4096, 128256)),
@@ -290,7 +330,7 @@ def reference(grad: torch.Tensor, indices: torch.Tensor, *, compute_dtype: torch
 if triton is not None:
 
     @triton.jit
-    def _atomic_kernel(grad_ptr, index_ptr, scale_ptr, table_ptr, N, D, padding_idx,
+    def _atomic_kernel(grad_ptr, index_ptr, scale_ptr, table_ptr, N, D, V, padding_idx,
                        SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         columns = tl.arange(0, BLOCK_D)
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.num_programs(0)):
@@ -298,7 +338,7 @@ if triton is not None:
             row_mask = rows < N
             index = tl.load(index_ptr + rows, mask=row_mask, other=0)  # integer index
             index = index.to(tl.int64)
-            keep = row_mask & (index != padding_idx)
+            keep = row_mask & (index != padding_idx) & (index >= 0) & (index < V)
             factor = tl.full([BLOCK_M], 1.0, tl.float32)
             if SCALED:
                 factor = tl.load(scale_ptr + index, mask=keep, other=0.0)  # float32 statistic
@@ -311,33 +351,112 @@ if triton is not None:
                               values * factor[:, None], mask=mask)
 
     @triton.jit
-    def _segment_kernel(grad_ptr, order_ptr, starts_ptr, keys_ptr, scale_ptr, out_ptr,
-                        SEGMENTS, D, SCALED: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One segment (a run of equal sorted indices) at a time: its rows summed in
-        sorted-position order, in float32."""
-        columns = tl.arange(0, BLOCK_D)
-        for segment in range(tl.program_id(0), SEGMENTS, tl.num_programs(0)):
-            first = tl.load(starts_ptr + segment)  # integer index
-            last = tl.load(starts_ptr + segment + 1)  # integer index
-            row = tl.load(keys_ptr + segment)  # integer index
-            factor = 1.0
+    def _add_within_run(total, run, later, later_run):
+        """The segmented scan's step: a running sum that restarts where the run changes (a
+        selection, so a non-finite row stays within its own run)."""
+        return tl.where(run == later_run, total + later, later), later_run
+
+    @triton.jit
+    def _chunk_tile(tile, D, BLOCK_D: tl.constexpr):
+        """(chunk, columns, their mask) of a tile of the chunked kernels: tiles run over the
+        column blocks of chunk 0, then of chunk 1, ..."""
+        column_blocks = tl.cdiv(D, BLOCK_D)
+        cols = (tile % column_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+        return tile // column_blocks, cols, cols < D
+
+    @triton.jit
+    def _sorted_chunk_kernel(grad_ptr, keys_ptr, order_ptr, scale_ptr, out_ptr, partial_ptr,
+                             N, D, V, padding_idx, SCALED: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        """A tile of CHUNK sorted positions x BLOCK_D columns: the runs of equal keys summed
+        in float32 by a segmented scan. A run wholly inside the chunk is written to its
+        table row; the part of a run begun in an earlier chunk goes to the chunk's partial
+        row 0, that of a run going on into the next chunk to row 1, for
+        `_sorted_combine_kernel`."""
+        offsets = tl.arange(0, CHUNK)
+        for tile in range(tl.program_id(0), tl.cdiv(N, CHUNK) * tl.cdiv(D, BLOCK_D),
+                          tl.num_programs(0)):
+            chunk, cols, col_mask = _chunk_tile(tile, D, BLOCK_D)
+            first = chunk * CHUNK
+            positions = first + offsets
+            valid = positions < N
+            keys = tl.load(keys_ptr + positions, mask=valid, other=0)  # integer index
+            inner = valid & (offsets > 0)
+            previous = tl.load(keys_ptr + positions - 1, mask=inner, other=0)  # integer index
+            after = positions + 1
+            following = tl.load(keys_ptr + after, mask=after < N, other=0)  # integer index
+            # Scalars loaded in bounds unmasked (a clamped address) and compared with care.
+            before = tl.load(keys_ptr + tl.maximum(first - 1, 0))  # integer index
+            continued = (first > 0) & (before == tl.load(keys_ptr + first))  # integer index
+            ends = (after >= N) | (following != keys)
+            runs = tl.cumsum((inner & (previous != keys)).to(tl.int32), 0)
+            kept = valid & (keys != padding_idx) & (keys >= 0) & (keys < V)
+            order = tl.load(order_ptr + positions, mask=kept, other=0)  # integer index
+            values = widen(tl.load(grad_ptr + order[:, None] * D + cols[None, :],
+                                   mask=kept[:, None] & col_mask[None, :], other=0.0))
+            sums, _ = tl.associative_scan(
+                (values, tl.broadcast_to(runs[:, None], (CHUNK, BLOCK_D))), 0, _add_within_run)
+            held = kept & (ends | (offsets == CHUNK - 1))  # the row holding its run's sum
+            # The scalar widened to the block: the interpreter's & refuses a scalar boolean
+            # beside a block of them.
+            head = (runs == 0) & (tl.zeros_like(runs) + continued.to(tl.int32) != 0)
+            whole = held & ends & (head == 0)  # no ~: the Ascend interpreter cannot invert
+            factor = tl.full([CHUNK], 1.0, tl.float32)
             if SCALED:
-                factor = tl.load(scale_ptr + row)  # float32 statistic
-            for start in range(0, D, BLOCK_D):
-                cols = start + columns
-                col_mask = cols < D
-                total = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for position in range(first, last):
-                    source = tl.load(order_ptr + position)  # integer index
-                    total += widen(tl.load(grad_ptr + source * D + cols, mask=col_mask,
-                                           other=0.0))
-                tl.store(out_ptr + row * D + cols, rounded_for(total * factor, out_ptr),
-                         mask=col_mask)
+                factor = tl.load(scale_ptr + keys, mask=whole, other=1.0)  # float32 statistic
+            rows = keys[:, None] * D + cols[None, :]
+            tl.store(out_ptr + rows, rounded_for(sums * factor[:, None], out_ptr),
+                     mask=whole[:, None] & col_mask[None, :])
+            slot = (2 * chunk + tl.where(head, 0, 1)).to(tl.int64)
+            tl.store(partial_ptr + slot[:, None] * D + cols[None, :], sums,  # float32 partial
+                     mask=(held & (whole == 0))[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _sorted_combine_kernel(keys_ptr, scale_ptr, partial_ptr, out_ptr, N, D, V,
+                               padding_idx, SEARCH_STEPS, SCALED: tl.constexpr,
+                               CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Each run that spans chunks, written once by the chunk it begins in: its partial
+        row 1 there, then row 0 of each chunk it goes on through, added in chunk order
+        (its end found by a binary search of the sorted keys)."""
+        for tile in range(tl.program_id(0), tl.cdiv(N, CHUNK) * tl.cdiv(D, BLOCK_D),
+                          tl.num_programs(0)):
+            chunk, cols, col_mask = _chunk_tile(tile, D, BLOCK_D)
+            first = chunk * CHUNK
+            last = tl.minimum(first + CHUNK, N) - 1
+            key = tl.load(keys_ptr + last)  # integer index
+            following = tl.load(keys_ptr + tl.minimum(last + 1, N - 1))  # integer index
+            before = tl.load(keys_ptr + tl.maximum(first - 1, 0))  # integer index
+            begins_here = (first == 0) | (before != key)
+            if (last + 1 < N) & (following == key) & begins_here & (key != padding_idx) \
+                    & (key >= 0) & (key < V):
+                low = last + 1  # holds key; the run ends in (low, high]
+                high = tl.zeros_like(low) + N  # a tensor, should N be specialised as 1
+                for _ in range(SEARCH_STEPS):
+                    middle = low + (high - low) // 2
+                    same = tl.load(keys_ptr + middle) == key  # integer index
+                    low = tl.where(same, middle, low)
+                    high = tl.where(same, high, middle)
+                total = tl.load(partial_ptr + tl.cast(2 * chunk + 1, tl.int64) * D + cols,
+                                mask=col_mask)  # float32 partial
+                for later in range(chunk + 1, (high - 1) // CHUNK + 1):
+                    total += tl.load(partial_ptr + tl.cast(2 * later, tl.int64) * D + cols,
+                                     mask=col_mask)  # float32 partial
+                if SCALED:
+                    total = total * tl.load(scale_ptr + key)  # float32 statistic
+                tl.store(out_ptr + key * D + cols, rounded_for(total, out_ptr), mask=col_mask)
+
+    @triton.jit
+    def _zero_table_kernel(table_ptr, TOTAL, BLOCK: tl.constexpr):
+        """The float32 table zeroed (a kernel, not torch's fill: the launches stay held)."""
+        for tile in range(tl.program_id(0), tl.cdiv(TOTAL, BLOCK), tl.num_programs(0)):
+            offsets = tl.cast(tile, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            zeros = tl.zeros([BLOCK], tl.float32)
+            tl.store(table_ptr + offsets, zeros, mask=offsets < TOTAL)  # float32 partial
 
     @triton.jit
     def _round_table_kernel(table_ptr, out_ptr, TOTAL, BLOCK: tl.constexpr):
         for tile in range(tl.program_id(0), tl.cdiv(TOTAL, BLOCK), tl.num_programs(0)):
-            offsets = tile * BLOCK + tl.arange(0, BLOCK)
+            offsets = tl.cast(tile, tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < TOTAL
             values = tl.load(table_ptr + offsets, mask=mask)  # float32 partial
             tl.store(out_ptr + offsets, rounded_for(values, out_ptr), mask=mask)
@@ -356,8 +475,9 @@ def use_deterministic(attrs: Attrs) -> bool:
 @EMBEDDING_DENSE_GRAD.launcher("triton")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """Atomic adds into a float32 table then a rounding pass, or the stable sort and one
-    program per segment (see the module docstring)."""
+    """Atomic adds into a float32 table then a rounding pass, or the stable sort, the
+    chunks' segmented sums and the spanning runs' combination (see the module
+    docstring)."""
     grad, indices = inputs
     out = outputs[0]
     attrs = plan.attrs
@@ -370,31 +490,31 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     blocks = plan.tiling.blocks
     options = launch_options(plan.tiling)
     if not use_deterministic(attrs):
-        table = workspace[:4 * out.numel()].view(torch.float32).view(out.shape)
-        table.zero_()
-        _atomic_kernel[plan.grid](rows, flat, rows if scale is None else scale, table,
-                                  positions, width, attrs["padding_idx"],
-                                  SCALED=scale is not None, **blocks, **options)
         total = out.numel()
-        grid = (max(1, min(cdiv(total, 1024), MAX_PROGRAMS)),)
-        _round_table_kernel[grid](table, out, total, BLOCK=1024)
+        table = workspace[:4 * total].view(torch.float32).view(out.shape)
+        grid = (max(1, min(cdiv(total, TABLE_BLOCK), MAX_PROGRAMS)),)
+        _zero_table_kernel[grid](table, total, BLOCK=TABLE_BLOCK)
+        _atomic_kernel[plan.grid](rows, flat, rows if scale is None else scale, table,
+                                  positions, width, attrs["num_weights"], attrs["padding_idx"],
+                                  SCALED=scale is not None, BLOCK_M=blocks["BLOCK_M"],
+                                  BLOCK_D=blocks["BLOCK_D"], **options)
+        _round_table_kernel[grid](table, out, total, BLOCK=TABLE_BLOCK)
         return
     out.zero_()
-    keep = flat != attrs["padding_idx"]
-    kept = torch.nonzero(keep).reshape(-1) if attrs["padding_idx"] >= 0 else None
-    keys = flat if kept is None else flat[kept]
-    sorted_keys, order = torch.sort(keys, stable=True)
-    if kept is not None:
-        order = kept[order]
-    segment_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
-    starts = torch.zeros(segment_keys.numel() + 1, dtype=torch.int64, device=grad.device)
-    torch.cumsum(counts, 0, out=starts[1:])
-    if segment_keys.numel() == 0:
+    if not positions:
         return
-    grid = (max(1, min(segment_keys.numel(), plan.grid[0])),)
-    _segment_kernel[grid](rows, order, starts, segment_keys,
-                          rows if scale is None else scale, out, segment_keys.numel(), width,
-                          SCALED=scale is not None, BLOCK_D=blocks["BLOCK_D"], **options)
+    sorted_keys, order = torch.sort(flat, stable=True)
+    chunks = cdiv(positions, SORTED_CHUNK)
+    partials = workspace[: 8 * chunks * width].view(torch.float32)
+    grid = (max(1, min(chunks * cdiv(width, blocks["SORTED_D"]), plan.grid[0])),)
+    common = dict(SCALED=scale is not None, CHUNK=SORTED_CHUNK, BLOCK_D=blocks["SORTED_D"],
+                  **options)
+    _sorted_chunk_kernel[grid](rows, sorted_keys, order, rows if scale is None else scale, out,
+                               partials, positions, width, attrs["num_weights"],
+                               attrs["padding_idx"], **common)
+    _sorted_combine_kernel[grid](sorted_keys, rows if scale is None else scale, partials, out,
+                                 positions, width, attrs["num_weights"], attrs["padding_idx"],
+                                 positions.bit_length(), **common)
 
 
 register_op(EMBEDDING_DENSE_GRAD)
@@ -424,5 +544,7 @@ def embedding_dense_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights:
         ShapeError: grad's leading dims differ from indices'. DtypeError: unsupported
         dtypes. IndexRangeError: an index outside ``[0, num_weights)``.
     """
+    if deterministic is None:  # resolved here, so that the plan holds one kernel's scratch
+        deterministic = torch.are_deterministic_algorithms_enabled()
     return EMBEDDING_DENSE_GRAD(grad, indices, num_weights, padding_idx,
-                scale_grad_by_freq, deterministic, check_range)
+                                scale_grad_by_freq, deterministic, check_range)
