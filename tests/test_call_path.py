@@ -6,9 +6,11 @@ compiled one; subpackages are attributes of ``import opforge``."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -332,6 +334,44 @@ def test_empty_slots_do_not_stop_holding(fresh_plans):
     # Recorded, not refused as aliased (a refused layout is not kept; Triton 3.2's
     # interpreter, whose launches no recording sees, keeps it as not held).
     assert len(held.layouts) == 1
+
+
+def test_a_held_view_of_the_workspace_follows_its_storage(fresh_plans):
+    """A replay keeps its last view of the workspace while that tensor lives: a workspace
+    whose storage was swapped (``set_``) is viewed again, and the old storage is never
+    written; a workspace given once is not kept alive by the plan."""
+    x = torch.randn(6, 40, device=DEVICE)
+    target = torch.randint(0, 40, (6,), device=DEVICE)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("cross_entropy", x, target)
+        outputs = [torch.empty(spec.shape, dtype=spec.dtype, device=DEVICE)
+                   for spec in plan.outputs]
+        workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=DEVICE)
+        for _ in range(2):  # recorded, then replayed (its view made and kept)
+            plan.run(x, target, out=outputs, workspace=workspace)
+        old = torch.empty(0, dtype=torch.uint8, device=DEVICE).set_(
+            workspace.untyped_storage()).fill_(7)
+        workspace.set_(torch.empty_like(workspace).untyped_storage())
+        plan.run(x, target, out=outputs, workspace=workspace)
+        assert (old == 7).all()
+        assert_golden(plan.op, Case("mean", (x, target), {}), tuple(outputs))
+        given = weakref.ref(workspace)
+        del workspace
+        gc.collect()
+        assert given() is None
+
+
+def test_the_pool_hands_out_one_view_per_size_until_its_buffer_grows():
+    from opforge.core.workspace import WorkspacePool
+
+    pool = WorkspacePool()
+    first = pool.get(100, torch.device("cpu"))
+    assert pool.get(100, torch.device("cpu")) is first
+    assert pool.get(64, torch.device("cpu")).data_ptr() == first.data_ptr()
+    grown = pool.get(1 << 20, torch.device("cpu"))
+    again = pool.get(100, torch.device("cpu"))
+    assert again is not first and again.data_ptr() == grown.data_ptr()
+    assert pool.stats.requests == 5 and pool.stats.allocations == 2
 
 
 def test_the_eager_entry_bumps_the_version_of_updated_inputs(backend):

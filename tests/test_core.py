@@ -278,7 +278,10 @@ def test_run_refuses_what_is_not_an_out_or_a_workspace_of_its_own():
     before = x.clone()
     bad_runs = [({"out": 5}, "out"), ({"workspace": 5}, "workspace"),
                 ({"workspace": x.view(-1)}, "workspace"),
-                ({"out": torch.empty(2), "workspace": x[1]}, "workspace")]
+                ({"out": torch.empty(2), "workspace": x[1]}, "workspace"),
+                # flat bytes of exactly the plan's size (checked without a view)
+                ({"workspace": x.view(-1).view(torch.uint8)[: plan.workspace_bytes]},
+                 "workspace")]
     for arguments, param in bad_runs:
         with pytest.raises(opforge.OpError) as raised:
             plan.run(x, **arguments)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -191,11 +192,28 @@ class _Launch:
 
 def _byte_view(offset: int, nbytes: int, dtype: torch.dtype
                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    # The last view made, while the tensor it was made of lives: a plan's calls mostly
+    # reuse one workspace (the pool's, or the caller's), and its view costs 1.8 µs to make
+    # again against 0.2 to find. The address tells a tensor whose storage was swapped
+    # (``set_``); the weak reference keeps no memory past its tensor's life.
+    last: list[Any] = [None, 0, None]
+
+    def forget(ref: weakref.ref) -> None:
+        if last[0] is ref:
+            last[:] = None, 0, None
+
     def view(tensor: torch.Tensor) -> torch.Tensor:
+        address = tensor.data_ptr()
+        ref, known, made = last
+        if ref is not None and ref() is tensor and address == known:
+            return made
+        base = tensor
         # The usual slot is a workspace, already flat bytes: two view operators, not four.
         if tensor.dtype is not torch.uint8 or tensor.dim() != 1:
             tensor = tensor.reshape(-1).view(torch.uint8)
-        return tensor[offset:offset + nbytes].view(dtype)
+        made = tensor[offset:offset + nbytes].view(dtype)
+        last[:] = weakref.ref(base, forget), address, made
+        return made
     return view
 
 

@@ -173,7 +173,9 @@ class Plan:
             self._launcher = run_reference
         else:
             self._launcher = op.launchers[backend]
-            if self._direct and backend != "torch" and op.held_launches:
+            holds = op.held_launches
+            if self._direct and backend != "torch" and (
+                    holds(self.attrs) if callable(holds) else holds):
                 self._launcher = HeldLaunches(self._launcher)
             if backends.interpreter_enabled():
                 self._launcher = _locked(self._launcher)
@@ -420,23 +422,25 @@ class Plan:
         if not workspace.is_contiguous():
             raise OpError("workspace must be contiguous", op=self.op.name, param="workspace",
                           expected="a contiguous tensor", got=f"strides {workspace.stride()}")
-        scratch = workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
-        if scratch.data_ptr() % WORKSPACE_ALIGNMENT:
+        # The usual workspace is flat bytes of the plan's size: no views to make.
+        scratch = workspace if nbytes == self.workspace_bytes and workspace.dim() == 1 and \
+            workspace.dtype is torch.uint8 else \
+            workspace.view(torch.uint8).reshape(-1)[: self.workspace_bytes]
+        start = scratch.data_ptr()
+        if start % WORKSPACE_ALIGNMENT:
             # Launchers view the scratch as float32 or int64, and kernels assume aligned
             # vector access: the pool's buffers are aligned, a slice of one may not be.
             raise OpError("workspace is not aligned", op=self.op.name, param="workspace",
                           expected=f"a first byte on a {WORKSPACE_ALIGNMENT}-byte boundary",
                           got=f"address % {WORKSPACE_ALIGNMENT} = "
-                              f"{scratch.data_ptr() % WORKSPACE_ALIGNMENT}")
-        start, end = _span(scratch)
-        for tensor in tensors:
-            if tensor is not None and tensor.numel():
-                other_start, other_end = _span(tensor)
-                if start < other_end and other_start < end:
-                    raise OpError("workspace shares memory with an input or output",
-                                  op=self.op.name, param="workspace",
-                                  expected="scratch memory of its own",
-                                  got=f"bytes {start}..{end} overlap {other_start}..{other_end}")
+                              f"{start % WORKSPACE_ALIGNMENT}")
+        end = start + self.workspace_bytes
+        for other_start, other_end in _spans(tensors):
+            if other_start < other_end and start < other_end and other_start < end:
+                raise OpError("workspace shares memory with an input or output",
+                              op=self.op.name, param="workspace",
+                              expected="scratch memory of its own",
+                              got=f"bytes {start}..{end} overlap {other_start}..{other_end}")
         return scratch
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 _MIN_BYTES = 4096
+_MAX_VIEWS = 256  # sizes remembered at once (a shape sweep makes many)
 
 
 @dataclass
@@ -38,6 +39,10 @@ class WorkspacePool:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        # The views handed out, one object per (device, stream, size) while its buffer
+        # stays: a launch holding a view of the workspace keeps it while that object
+        # lives (`launches`), and a slice costs 1 µs a call.
+        self._views: dict[tuple[tuple[str, int], int], torch.Tensor] = {}
         self._lock = threading.Lock()
         self.stats = WorkspaceStats()
         self.poison = False
@@ -51,6 +56,9 @@ class WorkspacePool:
         key = _stream_key(device)
         with self._lock:
             self.stats.requests += 1
+            view = self._views.get((key, nbytes))
+            if view is not None:
+                return view
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < nbytes:
                 size = max(_MIN_BYTES, 1 << (nbytes - 1).bit_length())
@@ -59,12 +67,17 @@ class WorkspacePool:
                 if self.poison:
                     buffer.fill_(0xFF)
                 self._buffers[key] = buffer
+                self._views = {k: v for k, v in self._views.items() if k[0] != key}
                 self.stats.allocations += 1
                 self.stats.bytes_held += size - held
-        return buffer[:nbytes]
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            view = self._views[(key, nbytes)] = buffer[:nbytes]
+        return view
 
     def clear(self) -> None:
         """Release every buffer and reset the counters."""
         with self._lock:
             self._buffers.clear()
+            self._views.clear()
             self.stats = WorkspaceStats()
