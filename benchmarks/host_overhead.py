@@ -113,6 +113,8 @@ def curated(device: torch.device) -> dict[str, Case]:
     out, lse = saved("attention", q, k, v, None, causal=True)
     _, row_lse = saved("cross_entropy", x, target)
     loss = torch.ones((), device=device)
+    router = randn(1, 64)
+    chosen = torch.randperm(64, generator=generator)[:8].view(1, 8).to(device, torch.int32)
     return {
         "softmax": Case("8x256", (x,), {"dim": -1}),
         "softmax_backward": Case("8x256", (grad, x), {"dim": -1}),
@@ -154,6 +156,8 @@ def curated(device: torch.device) -> dict[str, Case]:
                                  {"k": 8, "k_group": 4, "group_count": 8,
                                   "norm_type": 1}),
         "moe_gating_top_k_softmax": Case("t1e64", (randn(1, 64), None), {"k": 8}),
+        "moe_gating_top_k_backward": Case("t1e64", (randn(1, 8), router, chosen, None),
+                                          {"renormalised": True}),
     }
 
 

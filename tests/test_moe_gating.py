@@ -177,6 +177,19 @@ def test_bad_inputs():
         opforge.moe_gating_top_k(_logits(2, 8), 1, index_dtype=torch.int16)
 
 
+def test_bad_backward_inputs():
+    x, idx = _logits(4, 8), torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
+    for param, inputs in (("expert_idx", (None, x, idx[:3], None)),
+                          ("grad_y", (torch.zeros(4, 3, device=DEVICE), x, idx, None)),
+                          ("grad_out", (None, x, idx, torch.zeros(4, 7, device=DEVICE))),
+                          ("x", (None, x[0], idx, None))):
+        with pytest.raises(opforge.ShapeError) as raised:
+            opforge.plan("moe_gating_top_k_backward", *inputs)
+        assert raised.value.param == param
+    with pytest.raises(opforge.DtypeError):
+        opforge.plan("moe_gating_top_k_backward", None, x, idx.float(), None)
+
+
 def test_leading_dims_int64_indices_and_a_float32_bias_beside_bf16_logits(backend):
     """What a transformers router hands over: ``(B, S, E)`` bf16 logits, DeepSeek-V3's
     float32 correction bias, int64 indices for ``one_hot``; the same routing as the 2-D
@@ -228,11 +241,13 @@ def test_gradient_of_y_through_the_gathered_scores(attrs, backend):
     assert (grad.double() - expected).abs().max() < 1e-5
 
 
-def test_softmax_variant_gradient_through_the_chosen_scores(backend):
-    """y of the softmax form is softmax(x) at the top-k experts (finished rows too): its
-    gradient against float64 autograd of that formula."""
+@pytest.mark.parametrize("finished", [None, [[False, True, False], [True, False, False]]])
+def test_softmax_variant_gradient_through_the_chosen_scores(finished, backend):
+    """y of the softmax form is softmax(x) at the top-k experts (finished rows too, whose
+    returned experts are E): its gradient against float64 autograd of that formula."""
     x = _logits(6, 16, torch.float32, seed=9).view(2, 3, 16).requires_grad_()
-    finished = torch.tensor([[False, True, False], [True, False, False]], device=DEVICE)
+    if finished is not None:
+        finished = torch.tensor(finished, device=DEVICE)
     y, _, _ = opforge.moe_gating_top_k_softmax(x, finished, k=4)
     upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     (got,) = torch.autograd.grad(y, x, upstream)

@@ -26,7 +26,9 @@ The Triton kernel is one pass from logits to outputs, portable (no ``tl.topk``, 
 scores become order-preserving int32 keys (the float bits, negatives' magnitude bits
 flipped), and each of the k selections is an integer max, then the lowest index holding
 it, then that key retired. The gradient of ``y`` reaches ``x`` through the gathered scores
-and the renormalisation (not through the selection).
+and the renormalisation (not through the selection), in one kernel for both forms
+(``moe_gating_top_k_backward``): the scores again from ``x``, each chosen expert's gradient
+added where its index meets the row's columns, then through softmax or sigmoid.
 """
 
 from __future__ import annotations
@@ -415,6 +417,126 @@ MOE_GATING_TOP_K_SOFTMAX = OpDef(
                             sweep=_softmax_sweep))
 
 
+BACKWARD_NAME = "moe_gating_top_k_backward"
+BACKWARD_ATTRS = (
+    GATING_ATTRS[5],  # norm_type
+    Attr("renormalised", "bool", False, doc="the weights were divided by their sum"),
+    GATING_ATTRS[7],  # routed_scaling_factor
+    GATING_ATTRS[8],  # eps
+)
+
+
+def _check_backward(inputs: Specs, attrs: Attrs) -> None:
+    grad_y, x, expert_idx, grad_out = inputs
+    if len(x.shape) != 2 or not 1 <= x.shape[1] <= MAX_EXPERTS:
+        raise ShapeError("must be 2-D (rows, experts), 1..8192 experts", op=BACKWARD_NAME,
+                         param="x", expected="(rows, E)", got=tuple(x.shape))
+    if len(expert_idx.shape) != 2 or expert_idx.shape[0] != x.shape[0]:
+        raise ShapeError("must be (rows, k)", op=BACKWARD_NAME, param="expert_idx",
+                         expected=f"({x.shape[0]}, k)", got=tuple(expert_idx.shape))
+    for name, given, shape in (("grad_y", grad_y, expert_idx.shape),
+                               ("grad_out", grad_out, x.shape)):
+        if given is not None and tuple(given.shape) != tuple(shape):
+            raise ShapeError("has the wrong shape", op=BACKWARD_NAME, param=name,
+                             expected=tuple(shape), got=tuple(given.shape))
+
+
+def _backward_tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
+                     ) -> list[Tiling]:
+    """``BLOCK_M`` whole rows of ``BLOCK_E`` experts, as many as fit the forward's tile."""
+    rows, experts = inputs[1].shape
+    block_e = next_power_of_2(experts)
+    budget = TILE_ELEMENTS.get(hardware.device_type, 4096)
+    block_m = max(1, min(next_power_of_2(max(rows, 1)), budget // block_e))
+    return [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_E": block_e}, block_m * block_e * 12,
+                   double_buffered=False,
+                   options={"warps": gpu_warps(block_m * block_e, hardware)})]
+
+
+def _backward_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
+                   hardware: HardwareProfile) -> tuple[int, ...]:
+    tiles = cdiv(inputs[1].shape[0], tiling.blocks["BLOCK_M"])
+    return (max(1, min(tiles, hardware.core_count * 8, MAX_PROGRAMS)),)
+
+
+def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
+    x, chosen = inputs[1], inputs[2].numel
+    passes = 2 if attrs["renormalised"] else 1
+    return Cost(flops=x.numel * (8 + 2 * passes * inputs[2].shape[1]),
+                bytes_moved=sum(t.numel * t.itemsize for t in (*inputs, *outputs)
+                                if t is not None) + (passes - 1) * chosen * 4)
+
+
+def _backward_case(case: Case) -> Case:
+    """A backward call from a forward one: the float64 reference's selection, a random
+    gradient of y (and of the scores when the forward returns them)."""
+    x, bias = case.inputs
+    attrs = MOE_GATING_TOP_K.bind_attrs(case.attrs)
+    _, idx, _ = reference(x, bias, compute_dtype=torch.float64, **attrs)
+    generator = torch.Generator().manual_seed(x.numel())
+    grad_y = torch.randn(idx.shape, generator=generator).to(x.device, x.dtype)
+    grad_out = torch.randn(x.shape, generator=generator).to(x.device) \
+        if attrs["out_flag"] else None
+    return Case(case.name, (grad_y, x, idx, grad_out), {
+        "norm_type": attrs["norm_type"], "routed_scaling_factor":
+        attrs["routed_scaling_factor"], "eps": attrs["eps"], "renormalised": renormalises(
+            attrs["renorm"], attrs["norm_type"], attrs["sigmoid_renorm"])})
+
+
+def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                      ) -> list[Case]:
+    cases = [_backward_case(case) for case in _samples(dtype, device, generator)]
+    base = next(case for case in cases if case.name == "softmax_renorm_out_e64")
+    grad_y, x, idx, grad_out = base.inputs
+    outside = idx.long().clone()
+    outside[::2, 0] = x.shape[1]  # a finished row's index, and a negative one
+    outside[1::2, -1] = -1
+    return [*cases,
+            Case("only_the_scores_gradient", (None, x, idx, grad_out), base.attrs),
+            Case("int64_indices_transposed_gradient",
+                 (grad_y.t().contiguous().t(), x, idx.long(), None), base.attrs),
+            Case("indices_outside_choose_nothing", (grad_y, x, outside, grad_out),
+                 base.attrs)]
+
+
+def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device, generator: torch.Generator) -> list[Case]:
+    return [_backward_case(case) for case in _sweep(kind, shape, dtype, device, generator)]
+
+
+def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
+                    golden: torch.Tensor, output: str) -> torch.Tensor:
+    """The sum of every term's magnitude: the renormalisation and softmax's row sum
+    cancel, and their float32 error follows the terms, not the result."""
+    spread = backward_reference(*inputs, compute_dtype=torch.float64, magnitudes=True,
+                                **attrs)
+    return golden.abs() + spread.nan_to_num(0.0, 0.0, 0.0)
+
+
+def _torch_gating_backward(grad_y: torch.Tensor | None, x: torch.Tensor,
+                           expert_idx: torch.Tensor, grad_out: torch.Tensor | None,
+                           **attrs: object) -> torch.Tensor:
+    """torch ops in float32 (gather, scatter_add, softmax or sigmoid)"""
+    return backward_reference(grad_y, x, expert_idx, grad_out, compute_dtype=torch.float32,
+                              **attrs).to(x.dtype)
+
+
+MOE_GATING_TOP_K_BACKWARD = OpDef(
+    name=BACKWARD_NAME,
+    doc="dx of moe_gating_top_k's weights (and scores) through the gathered scores.",
+    inputs=(TensorArg("grad_y", optional=True),
+            TensorArg("x", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+            TensorArg("expert_idx", dtypes=(torch.int32, torch.int64)),
+            TensorArg("grad_out", optional=True)),
+    outputs=(OutputArg("grad_x"),), attrs=BACKWARD_ATTRS,
+    infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape)],
+    infer_dtype=lambda inputs, attrs: [inputs[1].dtype], check=_check_backward,
+    cost=_backward_cost, tiling=_backward_tiling, grid=_backward_grid,
+    samples=_backward_samples, error_scale=_backward_scale,
+    precision=PrecisionSpec("benchmark_ratio", "L0", _torch_gating_backward,
+                            sweep=_backward_sweep, known_limitations=(SHARED_ROW_STATISTIC,)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference
 
@@ -501,6 +623,41 @@ def softmax_reference(x: torch.Tensor, finished: torch.Tensor | None, *,
     idx, row_idx = _finished_and_rows(idx, finished, experts)
     shape = (*x.shape[:-1], k)
     return y.view(shape), idx.view(shape), row_idx.view(shape)
+
+
+@MOE_GATING_TOP_K_BACKWARD.reference
+def backward_reference(grad_y: torch.Tensor | None, x: torch.Tensor, expert_idx: torch.Tensor,
+                       grad_out: torch.Tensor | None, *, compute_dtype: torch.dtype,
+                       norm_type: int, renormalised: bool, routed_scaling_factor: float,
+                       eps: float, magnitudes: bool = False) -> torch.Tensor:
+    """dx in ``compute_dtype``: with ``w = norm[idx]`` and ``S = sum(w) + eps``, ``dw =
+    scale (g / S - sum(g w) / S^2)`` (renormalised) or ``scale g``, scattered into the
+    scores' gradient (plus ``grad_out``), then through softmax or sigmoid. An index outside
+    ``[0, E)`` chooses nothing. ``magnitudes``: each difference a sum of magnitudes (the
+    scale of its rounding error)."""
+    sign = 1 if magnitudes else -1
+
+    def term(value: torch.Tensor) -> torch.Tensor:
+        return value.abs() if magnitudes else value
+
+    wide = x.to(compute_dtype)
+    norm = torch.softmax(wide, -1) if norm_type == 0 else torch.sigmoid(wide)
+    grad_norm = torch.zeros_like(norm)
+    if grad_y is not None:
+        chosen = (expert_idx >= 0) & (expert_idx < x.shape[1])
+        index = torch.where(chosen, expert_idx, 0).long()
+        g = term(grad_y.to(compute_dtype))
+        if renormalised:
+            weights = torch.where(chosen, norm.gather(1, index), 0)
+            total = weights.sum(-1, keepdim=True) + eps
+            g = g / total + sign * (g * weights).sum(-1, keepdim=True) / total.square()
+        grad_norm.scatter_add_(1, index, torch.where(chosen, g * term(
+            torch.tensor(routed_scaling_factor, dtype=compute_dtype)), 0))
+    if grad_out is not None:
+        grad_norm = grad_norm + term(grad_out.to(compute_dtype))
+    if norm_type == 1:
+        return grad_norm * norm * (1 - norm)
+    return norm * (grad_norm + sign * (grad_norm * norm).sum(-1, keepdim=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,6 +778,81 @@ if triton is not None:
             tl.store(idx_ptr + offsets, tl.where(done != 0, E, chosen), mask=mask)  # integer index
 
 
+    @triton.jit
+    def _gating_backward_kernel(grad_y_ptr, x_ptr, idx_ptr, grad_out_ptr, dx_ptr, R, E, K,
+                                stride_gy, stride_gyk, stride_x, stride_xe, stride_idx,
+                                stride_idxk, stride_go, stride_goe, scale, eps,
+                                HAS_GRAD_Y: tl.constexpr, HAS_OUT: tl.constexpr,
+                                SIGMOID: tl.constexpr, RENORM: tl.constexpr,
+                                WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_E: tl.constexpr):
+        """``BLOCK_M`` whole rows a program (persistently): the scores again from x, each
+        chosen expert's gradient added where its index meets the row's columns (an index
+        outside ``[0, E)`` meets none), then through softmax or sigmoid."""
+        experts = tl.arange(0, BLOCK_E)[None, :]
+        for tile in range(tl.program_id(0), tl.cdiv(R, BLOCK_M), tl.num_programs(0)):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            if WIDE:
+                rows = rows.to(tl.int64)
+            row_mask = rows < R
+            mask = row_mask[:, None] & (experts < E)
+            x = widen(tl.load(x_ptr + rows[:, None] * stride_x + experts * stride_xe,
+                              mask=mask, other=NEG_INF))
+            if SIGMOID:
+                norm, rest = sigmoid_pair(x)
+            else:
+                exps = tl.where(mask, tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
+                norm = exps / tl.sum(exps, 1)[:, None]
+            norm = tl.where(mask, norm, 0.0)
+            grad_norm = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+            if HAS_GRAD_Y:
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                weighted = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if RENORM:
+                    # The weights' sum and the gradient's projection on them first. The
+                    # pointers step by a stride: no j x stride product to overflow int32.
+                    idx_at = idx_ptr + rows * stride_idx
+                    grad_at = grad_y_ptr + rows * stride_gy
+                    for _ in range(0, K):
+                        chosen = tl.load(idx_at, mask=row_mask, other=-1)  # integer index
+                        g = widen(tl.load(grad_at, mask=row_mask, other=0.0))
+                        weight = tl.sum(tl.where(experts == chosen[:, None], norm, 0.0), 1)
+                        total += weight
+                        weighted += g * weight
+                        idx_at += stride_idxk
+                        grad_at += stride_gyk
+                    total += eps
+                idx_at = idx_ptr + rows * stride_idx
+                grad_at = grad_y_ptr + rows * stride_gy
+                for _ in range(0, K):
+                    chosen = tl.load(idx_at, mask=row_mask, other=-1)  # integer index
+                    g = widen(tl.load(grad_at, mask=row_mask, other=0.0))
+                    idx_at += stride_idxk
+                    grad_at += stride_gyk
+                    if RENORM:
+                        g = g / total - weighted / (total * total)
+                    grad_norm += tl.where(experts == chosen[:, None], (g * scale)[:, None],
+                                          0.0)
+            if HAS_OUT:
+                grad_scores = widen(tl.load(grad_out_ptr + rows[:, None] * stride_go
+                                            + experts * stride_goe, mask=mask, other=0.0))
+                grad_norm += grad_scores
+            if SIGMOID:
+                dx = grad_norm * norm * rest
+            else:
+                if HAS_GRAD_Y and RENORM:
+                    # The chosen terms of sum(grad_norm * norm) add up to scale W eps / S^2
+                    # exactly; summed, they cancel to float32 noise (twice the peer's).
+                    projection = scale * weighted * eps / (total * total)
+                    if HAS_OUT:
+                        projection += tl.sum(grad_scores * norm, 1)
+                else:
+                    projection = tl.sum(grad_norm * norm, 1)
+                dx = norm * (grad_norm - projection[:, None])
+            tl.store(dx_ptr + rows[:, None] * E + experts, rounded_for(dx, dx_ptr),
+                     mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launcher
 
@@ -672,6 +904,26 @@ def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
         BLOCK=FINISH_BLOCK)
 
 
+@MOE_GATING_TOP_K_BACKWARD.launcher("triton")
+def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
+                    outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+    """``BLOCK_M`` whole rows a program, any strides in."""
+    grad_y, x, expert_idx, grad_out = inputs
+    attrs = plan.attrs
+    rows, experts = x.shape
+    grad_y_strides = (0, 0) if grad_y is None else grad_y.stride()
+    grad_out_strides = (0, 0) if grad_out is None else grad_out.stride()
+    _gating_backward_kernel[plan.grid](
+        x if grad_y is None else grad_y, x, expert_idx, x if grad_out is None else grad_out,
+        outputs[0], rows, experts, expert_idx.shape[1], *grad_y_strides, *x.stride(),
+        *expert_idx.stride(), *grad_out_strides, attrs["routed_scaling_factor"],
+        attrs["eps"], HAS_GRAD_Y=grad_y is not None, HAS_OUT=grad_out is not None,
+        SIGMOID=attrs["norm_type"] == 1, RENORM=attrs["renormalised"],
+        WIDE=wide_offsets(*(t for t in (grad_y, x, expert_idx, grad_out) if t is not None),
+                          outputs[0]),
+        **plan.tiling.blocks, **launch_options(plan.tiling))
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 
@@ -680,67 +932,44 @@ def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[torch.
                    ) -> None:
     x, renorm, norm_type, out_flag, scale, eps, sigmoid_renorm = (inputs[0], *inputs[6:12])
     ctx.save_for_backward(x, output[1])
-    ctx.renorm = renormalises(renorm, norm_type, sigmoid_renorm)
-    ctx.sigmoid, ctx.out_flag, ctx.scale, ctx.eps = norm_type == 1, out_flag, scale, eps
-
-
-def _scores_gradient(x: torch.Tensor, idx: torch.Tensor, grad_y: torch.Tensor | None,
-                     grad_out: torch.Tensor | None, sigmoid: bool, renorm: bool,
-                     scale: float, eps: float) -> torch.Tensor:
-    """dx of ``(rows, E)`` logits through the gathered scores and the renormalisation, in
-    float32: with ``w = norm[idx]`` and ``S = sum(w) + eps``, ``dw = scale (g / S -
-    sum(g w) / S^2)`` (renormalised) or ``scale g``; scattered into the scores' gradient
-    (plus ``grad_out``), then through softmax or sigmoid. The selection gets none."""
-    x32 = x.float()
-    norm = torch.sigmoid(x32) if sigmoid else torch.softmax(x32, -1)
-    grad_norm = torch.zeros_like(norm)
-    if grad_y is not None:
-        index = idx.long()
-        g = grad_y.float()
-        weights = norm.gather(1, index)
-        if renorm:
-            total = weights.sum(-1, keepdim=True) + eps
-            g = g / total - (g * weights).sum(-1, keepdim=True) / total.square()
-        grad_norm.scatter_add_(1, index, g * scale)
-    if grad_out is not None and grad_out.numel():
-        grad_norm = grad_norm + grad_out.float()
-    if sigmoid:
-        grad_x = grad_norm * norm * (1 - norm)
-    else:
-        grad_x = norm * (grad_norm - (grad_norm * norm).sum(-1, keepdim=True))
-    return grad_x.to(x.dtype)
+    ctx.out_flag = out_flag
+    ctx.attrs = (norm_type, renormalises(renorm, norm_type, sigmoid_renorm), scale, eps)
 
 
 @MOE_GATING_TOP_K.autograd(_setup_context)
 def backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
              grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """dx through the gathered scores (`_scores_gradient`); the bias gets none."""
+    """dx through `moe_gating_top_k_backward`; the bias gets none."""
     x, idx = ctx.saved_tensors
-    grad_x = _scores_gradient(x, idx, grad_y, grad_out if ctx.out_flag else None,
-                              ctx.sigmoid, ctx.renorm, ctx.scale, ctx.eps)
+    grad_x = MOE_GATING_TOP_K_BACKWARD(grad_y, x, idx, grad_out if ctx.out_flag else None,
+                                       *ctx.attrs)
     return (grad_x, None, *([None] * len(GATING_ATTRS)))
 
 
 def _softmax_setup_context(ctx: object, inputs: tuple[object, ...],
                            output: tuple[torch.Tensor, ...]) -> None:
-    ctx.save_for_backward(inputs[0])
+    # A finished row's returned experts are E: without finished rows the returned
+    # selection is the one the backward needs.
+    ctx.save_for_backward(inputs[0], output[1] if inputs[1] is None else None)
     ctx.k, ctx.round_scores = inputs[2], inputs[3]
 
 
 @MOE_GATING_TOP_K_SOFTMAX.autograd(_softmax_setup_context)
 def softmax_backward(ctx: object, grad_y: torch.Tensor | None, grad_idx: torch.Tensor | None,
                      grad_row_idx: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """dx through the softmax scores gathered at the chosen experts (chosen again from x:
-    the returned indices of finished rows are E); ``finished`` gets none."""
-    (x,) = ctx.saved_tensors
+    """dx through `moe_gating_top_k_backward` at the chosen experts (chosen again from x
+    where some rows finished); ``finished`` gets none."""
+    x, idx = ctx.saved_tensors
     experts = x.shape[-1]
     flat = x.reshape(-1, experts)
-    idx = select_experts(flat, None, ctx.k, 1, 1, 0, 0, ctx.round_scores)
+    idx = select_experts(flat, None, ctx.k, 1, 1, 0, 0, ctx.round_scores) if idx is None \
+        else idx.reshape(-1, ctx.k)
     grad = None if grad_y is None else grad_y.reshape(-1, ctx.k)
-    grad_x = _scores_gradient(flat, idx, grad, None, False, False, 1.0, 0.0)
+    grad_x = MOE_GATING_TOP_K_BACKWARD(grad, flat, idx, None, 0, False, 1.0, 0.0)
     return grad_x.reshape(x.shape), None, None, None
 
 
+register_op(MOE_GATING_TOP_K_BACKWARD)
 register_op(MOE_GATING_TOP_K)
 register_op(MOE_GATING_TOP_K_SOFTMAX)
 
