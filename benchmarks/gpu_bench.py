@@ -15,9 +15,10 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
    speed ratio), its cuDNN backend and its default choice, after checking out, dq, dk and
    dv against SDPA,
    MlaProlog at DeepSeek-V3 sizes (T = 16 and 1024) against the same computation in
-   torch ops, eager and compiled, DeepSeek-V3 routing (T = 1, 128, 16384) against its
-   torch composition, and the embedding gradient (V 128256, D 4096, T 16384, uniform and
-   Zipf indices, atomic and deterministic) against aten;
+   torch ops, eager and compiled, DeepSeek-V3 routing (T = 1, 128, 16384; forward, and
+   forward + backward) against its torch composition, and the embedding gradient
+   (V 128256, D 4096, T 16384, uniform and Zipf indices, atomic and deterministic)
+   against aten;
    times softmax, log_softmax, rms_norm, layer_norm, swiglu and cross_entropy forward +
    backward against torch eager, torch.compile and Liger-Kernel (when installed; also
    beside the forwards it has), and square matmuls (bf16 4096³ and
@@ -682,7 +683,48 @@ DEEPSEEK_ROUTING = {"k_group": 4, "group_count": 8, "group_select_mode": 1, "nor
 def _gating_torch(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from opforge.ops.moe_gating import MOE_GATING_TOP_K
 
-    return MOE_GATING_TOP_K.precision.peer(x, bias, 8, 4, 8, 1, 0, 1, False, 2.5, 1e-20)
+    return MOE_GATING_TOP_K.precision.peer(x, bias, 8, 4, 8, 1, 0, 1, False, 2.5, 1e-20,
+                                           True, False)
+
+
+def _routing_backward_rows(x: torch.Tensor, bias: torch.Tensor, shape: str,
+                           compile_peers: bool, warmup_ms: int, rep_ms: int
+                           ) -> Iterator[Row]:
+    """Routing's forward + backward (the weights' gradient reaching the logits): opforge's
+    backward kernel against autograd through the torch composition, eager and compiled,
+    after a check of the logits' gradient."""
+    leaf = x.detach().requires_grad_()
+    upstream = torch.randn(x.shape[0], 8, device=x.device, dtype=x.dtype)
+
+    def ours(t: torch.Tensor) -> torch.Tensor:
+        return opforge.moe_gating_top_k(t, 8, bias=bias, **DEEPSEEK_ROUTING)[0]
+
+    def theirs(t: torch.Tensor) -> torch.Tensor:
+        return _gating_torch(t, bias)[0]
+
+    impls = [("opforge", ours), ("torch eager", theirs)]
+    if compile_peers:
+        impls.append(("torch.compile", torch.compile(theirs, dynamic=False)))
+    (got,) = torch.autograd.grad(ours(leaf), leaf, upstream)
+    (expected,) = torch.autograd.grad(theirs(leaf), leaf, upstream)
+    # Rows whose experts come in one order: the upstream gradient meets the same experts
+    # (tied scores may be ordered either way, and then y's columns differ).
+    same = (opforge.moe_gating_top_k(x, 8, bias=bias, **DEEPSEEK_ROUTING)[1].long()
+            == _gating_torch(x, bias)[1]).all(-1)
+    worst = ((got.float() - expected.float())[same].abs().max()
+             / expected.float()[same].abs().max().clamp_min(1e-30)).item()
+    yield Row("check", "moe_gating_top_k fwd+bwd", shape, "bf16", "dx vs torch eager",
+              max_abs_diff=worst, status="ok" if worst <= 2e-2 else "FAIL",
+              detail=f"max |diff| / max |torch| over the {int(same.sum())} of "
+                     f"{same.numel()} rows in one order, bound 2e-2")
+    timings = {impl: bench_us(lambda call=call: torch.autograd.grad(call(leaf), leaf,
+                                                                    upstream),
+                              warmup_ms, rep_ms) for impl, call in impls}
+    moved = 2 * x.numel() * x.element_size()  # the logits read, their gradient written
+    for impl, us in timings.items():
+        yield Row("time", "moe_gating_top_k fwd+bwd", shape, "bf16", impl, us, moved,
+                  bandwidth(moved, us), timings["torch eager"] / us,
+                  detail="ratio to torch eager")
 
 
 def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: int
@@ -716,6 +758,8 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
                 yield (Row("time", "moe_gating_top_k", shape, "bf16", impl, us,
                                 x.numel() * 2, bandwidth(x.numel() * 2, us),
                                 timings["torch eager"] / us, detail="ratio to torch eager"))
+            yield from _routing_backward_rows(x, bias, shape, compile_peers, warmup_ms,
+                                              rep_ms)
         except Exception as error:  # reported; the next size still runs
             yield (_error_row("time", "moe_gating_top_k", shape, "bf16", "opforge",
                                    error))
