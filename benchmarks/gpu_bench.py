@@ -676,6 +676,8 @@ def mla_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_ms: 
 
 
 GATING_TOKENS = (1, 128, 16384)
+# The embedding gradient: V (Llama-3's vocabulary), D, T.
+EMBEDDING_SHAPE = (128256, 4096, 16384)
 DEEPSEEK_ROUTING = {"k_group": 4, "group_count": 8, "group_select_mode": 1, "norm_type": 1,
                     "routed_scaling_factor": 2.5}
 
@@ -763,19 +765,22 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
         except Exception as error:  # reported; the next size still runs
             yield (_error_row("time", "moe_gating_top_k", shape, "bf16", "opforge",
                                    error))
+    vocabulary, width, tokens = EMBEDDING_SHAPE
     for name in ("uniform", "zipf"):
-        shape = f"V128256 D4096 T16384 {name}"
+        shape = f"V{vocabulary} D{width} T{tokens} {name}"
         try:
-            grad = torch.randn(16384, 4096, generator=generator).to(device, torch.bfloat16)
-            indices = (torch.randint(0, 128256, (16384,), generator=generator)
-                       if name == "uniform" else zipf_indices((16384,), 128256, generator))
+            grad = torch.randn(tokens, width, generator=generator).to(device, torch.bfloat16)
+            indices = (torch.randint(0, vocabulary, (tokens,), generator=generator)
+                       if name == "uniform" else zipf_indices((tokens,), vocabulary,
+                                                              generator))
             indices = indices.to(device)
             impls = [(f"opforge {mode}", functools.partial(
-                opforge.embedding_dense_grad, grad, indices, 128256,
+                opforge.embedding_dense_grad, grad, indices, vocabulary,
                 deterministic=mode == "deterministic")) for mode in ("atomic",
                                                                      "deterministic")]
             impls.append(("torch aten", functools.partial(
-                torch.ops.aten.embedding_dense_backward, grad, indices, 128256, -1, False)))
+                torch.ops.aten.embedding_dense_backward, grad, indices, vocabulary, -1,
+                False)))
             expected = impls[2][1]().float()
             for impl, call in impls[:2]:
                 diff = max_abs_diff(call(), expected)
@@ -783,7 +788,7 @@ def routing_rows(device: torch.device, compile_peers: bool, warmup_ms: int, rep_
                                 max_abs_diff=diff, status="ok" if diff < 0.5 else "FAIL",
                                 detail="vs aten, bf16 rows summed"))
             timings = {impl: bench_us(call, warmup_ms, rep_ms) for impl, call in impls}
-            moved = grad.numel() * 2 + 128256 * 4096 * 2
+            moved = grad.numel() * 2 + vocabulary * width * 2
             for impl, us in timings.items():
                 yield (Row("time", "embedding_dense_grad", shape, "bf16", impl, us,
                                 moved, bandwidth(moved, us), timings["torch aten"] / us,
