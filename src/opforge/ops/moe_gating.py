@@ -491,12 +491,25 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
     outside = idx.long().clone()
     outside[::2, 0] = x.shape[1]  # a finished row's index, and a negative one
     outside[1::2, -1] = -1
+    unchosen = outside.clone()
+    unchosen[0] = x.shape[1]  # a row that chooses nothing: no weight to renormalise by
+    # Six experts in a block of eight: indices 6 and 7 name padded columns, not x's.
+    narrow = x[:, :6]
+    padded_idx = torch.tensor([[0, 6], [7, 2]] * 5, device=x.device,
+                              dtype=torch.int32)[:x.shape[0]]
+    padded_grad = grad_y[:, :2].clone()
+    padded_grad[padded_idx >= 6] = float("inf")
     return [*cases,
             Case("only_the_scores_gradient", (None, x, idx, grad_out), base.attrs),
             Case("int64_indices_transposed_gradient",
                  (grad_y.t().contiguous().t(), x, idx.long(), None), base.attrs),
             Case("indices_outside_choose_nothing", (grad_y, x, outside, grad_out),
-                 base.attrs)]
+                 base.attrs),
+            Case("a_row_choosing_nothing_eps_0", (grad_y, x, unchosen, None),
+                 {**base.attrs, "eps": 0.0}),
+            Case("infinite_gradient_at_a_padded_index", (padded_grad, narrow, padded_idx,
+                                                          None),
+                 {**base.attrs, "renormalised": False})]
 
 
 def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -779,6 +792,13 @@ if triton is not None:
 
 
     @triton.jit
+    def _chosen_expert(idx_at, row_mask, E):
+        """The experts one selection column names, -1 for an index outside ``[0, E)``: it
+        meets no column of the row, the padded ones past E included."""
+        chosen = tl.load(idx_at, mask=row_mask, other=-1)  # integer index
+        return tl.where(chosen < E, chosen, -1)
+
+    @triton.jit
     def _gating_backward_kernel(grad_y_ptr, x_ptr, idx_ptr, grad_out_ptr, dx_ptr, R, E, K,
                                 stride_gy, stride_gyk, stride_x, stride_xe, stride_idx,
                                 stride_idxk, stride_go, stride_goe, scale, eps,
@@ -814,7 +834,7 @@ if triton is not None:
                     idx_at = idx_ptr + rows * stride_idx
                     grad_at = grad_y_ptr + rows * stride_gy
                     for _ in range(0, K):
-                        chosen = tl.load(idx_at, mask=row_mask, other=-1)  # integer index
+                        chosen = _chosen_expert(idx_at, row_mask, E)
                         g = widen(tl.load(grad_at, mask=row_mask, other=0.0))
                         weight = tl.sum(tl.where(experts == chosen[:, None], norm, 0.0), 1)
                         total += weight
@@ -825,12 +845,13 @@ if triton is not None:
                 idx_at = idx_ptr + rows * stride_idx
                 grad_at = grad_y_ptr + rows * stride_gy
                 for _ in range(0, K):
-                    chosen = tl.load(idx_at, mask=row_mask, other=-1)  # integer index
+                    chosen = _chosen_expert(idx_at, row_mask, E)
                     g = widen(tl.load(grad_at, mask=row_mask, other=0.0))
                     idx_at += stride_idxk
                     grad_at += stride_gyk
                     if RENORM:
-                        g = g / total - weighted / (total * total)
+                        # g / S - W / S^2 without S^2, which underflows for tiny weights.
+                        g = (g - weighted / total) / total
                     grad_norm += tl.where(experts == chosen[:, None], (g * scale)[:, None],
                                           0.0)
             if HAS_OUT:
@@ -840,14 +861,15 @@ if triton is not None:
             if SIGMOID:
                 dx = grad_norm * norm * rest
             else:
+                projection = tl.sum(grad_norm * norm, 1)
                 if HAS_GRAD_Y and RENORM:
                     # The chosen terms of sum(grad_norm * norm) add up to scale W eps / S^2
-                    # exactly; summed, they cancel to float32 noise (twice the peer's).
-                    projection = scale * weighted * eps / (total * total)
+                    # exactly; summed, they cancel to float32 noise (twice the peer's). S = 0
+                    # (no weight, eps 0) keeps the plain sum: 0, or NaN as the formula's.
+                    exact = scale * (weighted / total) * (eps / total)
                     if HAS_OUT:
-                        projection += tl.sum(grad_scores * norm, 1)
-                else:
-                    projection = tl.sum(grad_norm * norm, 1)
+                        exact += tl.sum(grad_scores * norm, 1)
+                    projection = tl.where(total > 0, exact, projection)
                 dx = norm * (grad_norm - projection[:, None])
             tl.store(dx_ptr + rows[:, None] * E + experts, rounded_for(dx, dx_ptr),
                      mask=mask)
@@ -999,7 +1021,10 @@ def moe_gating_top_k(x: torch.Tensor, k: int, *, bias: torch.Tensor | None = Non
     Returns:
         ``(y (..., k) in x's dtype, expert_idx (..., k) of index_dtype, out)``; ``out`` is
         the float32 scores ``(..., E)`` when ``out_flag``, else an empty float32 tensor.
-        ``y`` is differentiable with respect to ``x`` (not through the selection).
+        ``y`` is differentiable with respect to ``x`` (not through the selection); the
+        backward reads the int32 indices (returned as they are for ``index_dtype=int32``),
+        as torch.topk's does: changing them in place before it raises autograd's error
+        (shift a copy for expert parallelism).
 
     Raises:
         ShapeError: x of no dims or a bad bias shape. DtypeError: a bias of another dtype,
@@ -1039,7 +1064,9 @@ def moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = No
     Returns:
         ``(y, expert_idx, row_idx)`` of shape ``(*x.shape[:-1], k)``: y in x's dtype,
         int32 indices, ``row_idx[..., j] = j * N + i`` for flattened row i of N. y is
-        differentiable through the gathered softmax scores (finished rows included).
+        differentiable through the gathered softmax scores (finished rows included); without
+        ``finished`` the backward reads the returned indices (as torch.topk's does): change
+        a copy of them, not them in place.
 
     Raises:
         ShapeError: x not 2-D/3-D or a bad ``finished``. AttrError: k out of range.
