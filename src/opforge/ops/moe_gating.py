@@ -540,7 +540,7 @@ MOE_GATING_TOP_K_BACKWARD = OpDef(
     inputs=(TensorArg("grad_y", optional=True),
             TensorArg("x", dtypes=(torch.float32, torch.float16, torch.bfloat16)),
             TensorArg("expert_idx", dtypes=(torch.int32, torch.int64)),
-            TensorArg("grad_out", optional=True)),
+            TensorArg("grad_out", dtypes=(torch.float32,), optional=True)),
     outputs=(OutputArg("grad_x"),), attrs=BACKWARD_ATTRS,
     infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape)],
     infer_dtype=lambda inputs, attrs: [inputs[1].dtype], check=_check_backward,
