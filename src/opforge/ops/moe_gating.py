@@ -460,11 +460,12 @@ def _backward_grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
 
 
 def _backward_cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
-    x, chosen = inputs[1], inputs[2].numel
+    """Each input read once and dx written once: the least (the renormalising pass reads
+    the selection again, from cache)."""
     passes = 2 if attrs["renormalised"] else 1
-    return Cost(flops=x.numel * (8 + 2 * passes * inputs[2].shape[1]),
+    return Cost(flops=inputs[1].numel * (8 + 2 * passes * inputs[2].shape[1]),
                 bytes_moved=sum(t.numel * t.itemsize for t in (*inputs, *outputs)
-                                if t is not None) + (passes - 1) * chosen * 4)
+                                if t is not None))
 
 
 def _backward_case(case: Case) -> Case:
