@@ -1,7 +1,7 @@
 """GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
 
-For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax, layer_norm and
-rms_norm (last dim) in bfloat16 at large sizes, this script
+For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax, layer_norm,
+rms_norm (last dim) and silu_mul in bfloat16 at large sizes, this script
 
 1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
 2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
@@ -19,10 +19,10 @@ rms_norm (last dim) in bfloat16 at large sizes, this script
    forward + backward) against its torch composition, and the embedding gradient
    (V 128256, D 4096, T 16384, uniform and Zipf indices, atomic and deterministic)
    against aten;
-   times softmax, log_softmax, rms_norm, layer_norm, swiglu and cross_entropy forward +
-   backward against torch eager, torch.compile and Liger-Kernel (when installed; also
-   beside the forwards it has), and square matmuls (bf16 4096³ and
-   8192³, fp32 4096³) against cuBLAS and torch.compile in TFLOP/s;
+   times softmax, log_softmax, rms_norm, layer_norm, swiglu, silu_mul and cross_entropy
+   forward + backward against torch eager, torch.compile and Liger-Kernel (when installed;
+   also beside the forwards it has), and square matmuls (bf16 4096³ and 8192³, fp32
+   4096³) against cuBLAS and torch.compile in TFLOP/s;
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
    run of the same plan (for ``broadcast_add``, a split ``reduce_sum`` and a long-row
@@ -160,6 +160,10 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
     return functional.silu(gate) * up
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return functional.silu(gate) * up
+
+
 def _liger(op: str) -> Callable[..., torch.Tensor] | None:
     """Liger-Kernel's ``op`` with the arguments of this script's torch function for it
     (`make_cases`, `training_cases`), or None (not installed, or no such operator)."""
@@ -176,6 +180,9 @@ def _liger(op: str) -> Callable[..., torch.Tensor] | None:
         if op == "swiglu":
             from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
             return LigerFusedGateUpSiLUMulFunction.apply
+        if op == "silu_mul":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+            return LigerSiLUMulFunction.apply
         if op == "cross_entropy":
             from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
             return lambda logits, target: LigerCrossEntropyFunction.apply(logits, target,
@@ -212,6 +219,9 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                lambda t, w: opforge.rms_norm(t, w, RMS_EPS),
                lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS),
                elementwise_bytes + n * item),
+        OpCase("silu_mul", shape, (x, torch.randn(m, n, generator=generator, device=device,
+                                                  dtype=dtype)),
+               {}, opforge.silu_mul, _silu_mul, 3 * m * n * item),
     ]
 
 
@@ -285,15 +295,17 @@ class TrainingCase:
 def training_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                    compile_peers: bool) -> list[TrainingCase]:
     """softmax, log_softmax, rms_norm and layer_norm (with their weight and bias as
-    leaves, as in training), swiglu (``shape`` is its input, gate and up halves) and
-    cross_entropy (``shape`` is (tokens, vocabulary), mean over int64 targets): opforge,
-    torch eager, torch.compile and, when installed, Liger-Kernel."""
+    leaves, as in training), swiglu (``shape`` is its input, gate and up halves),
+    silu_mul (gate and up of ``shape`` each) and cross_entropy (``shape`` is (tokens,
+    vocabulary), mean over int64 targets): opforge, torch eager, torch.compile and, when
+    installed, Liger-Kernel."""
     generator = torch.Generator(device=device).manual_seed(1)
     m, n = shape
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     weight = torch.randn(n, generator=generator, device=device, dtype=dtype)
     bias = torch.randn(n, generator=generator, device=device, dtype=dtype)
     target = torch.randint(0, n, (m,), generator=generator, device=device)
+    up = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     size = x.numel() * x.element_size()
     row = n * x.element_size()
     specs = (
@@ -308,6 +320,9 @@ def training_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.dev
         # Forward: x read, half its size written; backward: that gradient and x read,
         # x's gradient written.
         ("swiglu", (x,), 4 * size, opforge.swiglu, _swiglu),
+        # Forward: gate and up read, the product written; backward: its gradient, gate
+        # and up read, both gradients written.
+        ("silu_mul", (x, up), 8 * size, opforge.silu_mul, _silu_mul),
         ("cross_entropy", (x,), 2 * size, lambda t: opforge.cross_entropy(t, target),
          lambda t: functional.cross_entropy(t, target)))
     cases = []

@@ -19,7 +19,8 @@
 #                  unfused pair and Liger-Kernel's
 #   hf_step        benchmarks/hf_training_step.py: a Llama-shaped model's training step
 #                  (4 layers of Llama-3-8B's shapes, bf16, 2 x 4096 tokens) unpatched,
-#                  opforge-patched and Liger-patched (needs transformers from .wheels/)
+#                  opforge-patched (with its attention, and with transformers' SDPA) and
+#                  Liger-patched (needs transformers from .wheels/)
 #   kernel_breakdown  benchmarks/kernel_breakdown.py: each kernel's device time in one
 #                  forward + backward of every pair, per implementation
 #   gpu_bench_tuned  gpu_bench.py --autotune $TUNED_ARGS (default --targets: the speed

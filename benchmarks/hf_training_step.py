@@ -8,6 +8,8 @@ steps, then ``--steps`` timed ones (forward with labels, backward, optimizer ste
 * ``transformers (sdpa)``  the model as transformers builds it
 * ``opforge.patch``        `opforge.patch(model)`: RMSNorm, SwiGLU, attention, RoPE, and in
                            training the fused linear cross-entropy (no logits)
+* ``opforge.patch, sdpa attention``  the same with ``attention=False``: what opforge's
+                           attention kernels add or cost against transformers' SDPA
 * ``Liger-Kernel``         ``apply_liger_kernel_to_llama`` (when installed and able to patch
                            this transformers; else the row says why)
 
@@ -41,7 +43,8 @@ from typing import Any
 
 import torch
 
-IMPLEMENTATIONS = ("transformers (sdpa)", "opforge.patch", "Liger-Kernel")
+IMPLEMENTATIONS = ("transformers (sdpa)", "opforge.patch", "opforge.patch, sdpa attention",
+                   "Liger-Kernel")
 # The report's columns: (title, row key).
 COLUMNS = (("implementation", "implementation"), ("median step ms", "step_ms"),
            ("fastest ms", "fastest_ms"), ("speed vs unpatched", "vs_unpatched"),
@@ -82,10 +85,10 @@ def patched(name: str, args: argparse.Namespace, device: torch.device
         except Exception as error:  # a Liger that does not know this transformers
             return None, f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
     model = build(args, device)
-    if name == "opforge.patch":
+    if name.startswith("opforge.patch"):
         import opforge
 
-        opforge.patch(model)
+        opforge.patch(model, attention=name == "opforge.patch")
     return model, ""
 
 

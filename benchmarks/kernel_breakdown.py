@@ -1,7 +1,7 @@
 """Device time of every kernel in one forward + backward, per implementation.
 
 For each case of `gpu_bench.training_cases` (softmax, log_softmax, rms_norm, layer_norm,
-swiglu, cross_entropy at one size) and each implementation (opforge, torch eager,
+swiglu, silu_mul, cross_entropy at one size) and each implementation (opforge, torch eager,
 torch.compile, Liger-Kernel when installed), ``torch.profiler`` records ``--iterations``
 forward + backward steps after a warm-up; the report lists each kernel's device time per
 step, so a slow pair shows which of its kernels (the main pass, a partials' sum, a copy)
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append("")
     if args.warps:
         sweep_lines, sweep_rows = warps_rows(
-            [case for case in cases if case.op != "swiglu"],
+            [case for case in cases if case.op not in ("swiglu", "silu_mul")],
             [int(count) for count in args.warps.split(",")], args.iterations)
         lines += sweep_lines
         rows += sweep_rows

@@ -55,7 +55,8 @@ def test_the_row_functions_run(gpu_bench, monkeypatch):
     assert {"attention fwd", "attention fwd+bwd", "attention_varlen fwd+bwd",
             "attention window fwd+bwd", "mla_prolog", "moe_gating_top_k",
             "moe_gating_top_k fwd+bwd", "embedding_dense_grad", "matmul",
-            "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "softmax"} <= timed
+            "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "softmax", "silu_mul",
+            "silu_mul fwd+bwd"} <= timed
 
 
 def _rows(gpu_bench, device: torch.device) -> list:

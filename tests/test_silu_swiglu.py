@@ -1,6 +1,6 @@
-"""SiLU and SwiGLU, the operators made from their math alone (`pointwise`, `gated`):
-torch's results and gradients over shapes and dims, float64 gradcheck, the torch_npu
-signature, every validation path, and one module each."""
+"""SiLU, SwiGLU and silu_mul, the operators made from their math alone (`pointwise`,
+`gated`, `gated_product`): torch's results and gradients over shapes and dims, float64
+gradcheck, the torch_npu signature, every validation path, and one module each."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
 SWIGLU = opforge.get_op("swiglu")
 SILU = opforge.get_op("silu")
+SILU_MUL = opforge.get_op("silu_mul")
+SILU_MUL_BACKWARD = opforge.get_op("silu_mul_backward")
 
 
 def _torch_swiglu(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -48,10 +50,46 @@ def test_swiglu_gradient_equals_torch(dim, backend):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_silu_and_swiglu_gradcheck_in_float64():
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       dtype=st.sampled_from(LOW_PRECISION), backend=st.sampled_from(("torch", "triton")))
+def test_silu_mul_is_swiglu_of_the_two_halves(shape, dtype, backend):
+    """One kernel, two layouts: ``silu_mul(gate, up)`` has the bits of ``swiglu`` of the
+    two concatenated, and is within the golden's bound."""
+    generator = torch.Generator().manual_seed(len(shape))
+    gate, up = ((torch.randn(shape, generator=generator) * 3).to(DEVICE, dtype)
+                for _ in range(2))
+    with opforge.use_backend(backend):
+        out = opforge.silu_mul(gate, up)
+        assert torch.equal(out, opforge.swiglu(torch.cat([gate, up], -1)))
+    assert_golden(SILU_MUL, Case("drawn", (gate, up)), out)
+
+
+def test_silu_mul_gradients_equal_torch(backend):
+    gate, up = (torch.randn(6, 8, 5, device=DEVICE).requires_grad_() for _ in range(2))
+    upstream = torch.randn(6, 8, 5, device=DEVICE)
+    ours = torch.autograd.grad(opforge.silu_mul(gate, up), (gate, up), upstream)
+    theirs = torch.autograd.grad(torch.nn.functional.silu(gate) * up, (gate, up), upstream)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, torchs, rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_promotes_and_returns_each_gradient_in_its_operand_dtype(backend):
+    gate = torch.randn(4, 9, device=DEVICE).bfloat16().requires_grad_()
+    up = torch.randn(4, 9, device=DEVICE).requires_grad_()
+    out = opforge.silu_mul(gate, up)
+    assert out.dtype == torch.float32
+    grad_gate, grad_up = torch.autograd.grad(out, (gate, up), torch.ones_like(out))
+    assert (grad_gate.dtype, grad_up.dtype) == (torch.bfloat16, torch.float32)
+    assert_golden(SILU_MUL_BACKWARD, Case("mixed", (torch.ones_like(out), gate.detach(),
+                                                     up.detach())), (grad_gate, grad_up))
+
+
+def test_silu_swiglu_and_silu_mul_gradcheck_in_float64():
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(opforge.silu, (x,))
     assert torch.autograd.gradcheck(lambda t: opforge.swiglu(t, 1), (x,))
+    assert torch.autograd.gradcheck(opforge.silu_mul, (x, up))
 
 
 def test_silu_keeps_its_far_tails(backend):
@@ -71,6 +109,14 @@ def test_silu_keeps_its_far_tails(backend):
     (lambda: opforge.silu(torch.ones(3, dtype=torch.int64)), opforge.DtypeError, "x"),
     (lambda: SWIGLU_BACKWARD(torch.randn(4, 3), torch.randn(4, 4)), opforge.ShapeError,
      "dim halved"),
+    (lambda: opforge.silu_mul(torch.randn(4, 3), torch.randn(4, 1)), opforge.ShapeError,
+     "shape of gate"),
+    (lambda: opforge.silu_mul(torch.randn(3), torch.ones(3, dtype=torch.int64)),
+     opforge.DtypeError, "up"),
+    (lambda: SILU_MUL_BACKWARD(torch.randn(4, 2), torch.randn(4, 3), torch.randn(4, 3)),
+     opforge.ShapeError, "shape of grad"),
+    (lambda: SILU_MUL_BACKWARD(torch.randn(4, 3), torch.randn(4, 3), torch.randn(3, 4)),
+     opforge.ShapeError, "shape of gate"),
 ])
 def test_bad_input_is_refused_before_a_kernel(call, error, words):
     with pytest.raises(error, match=words):
@@ -82,7 +128,7 @@ SWIGLU_BACKWARD = opforge.get_op("swiglu_backward")
 
 def test_each_operator_is_one_short_module():
     """An elementwise operator is its math: one module, nothing else edited to add it."""
-    for name in ("silu", "swiglu"):
+    for name in ("silu", "swiglu", "silu_mul"):
         source = Path(opforge.ops.__path__[0], f"{name}.py").read_text()
         assert len(source.splitlines()) < 60, name
         assert getattr(opforge, name) is opforge.get_op(name).functional

@@ -5,7 +5,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 
 - every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
   result in torch's promoted dtype of the input and the weight, as the module gives it);
-- every SwiGLU MLP's activation by `opforge.silu` (``down(silu(gate(x)) * up(x))``);
+- every SwiGLU MLP's forward by ``down(silu_mul(gate(x), up(x)))`` (`opforge.silu_mul`:
+  one pass each way where ``silu`` and a product make two forward and three backward);
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
@@ -50,7 +51,7 @@ from opforge.functional import (
     moe_gating_top_k,
     rms_norm,
     rope,
-    silu,
+    silu_mul,
 )
 
 ATTENTION_NAME = "opforge"
@@ -136,7 +137,7 @@ def _deepseek_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

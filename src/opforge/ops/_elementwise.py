@@ -150,8 +150,10 @@ def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attr
     error reaches the output amplified by each input's relative condition number
     ``|x_i df/dx_i| / |f|`` (large in the tanh-GELU tail, near the zero of GELU's slope,
     for a sum that cancels). ``x_i df/dx_i`` is a central difference of the float64
-    reference under a relative perturbation of one input at a time."""
+    reference under a relative perturbation of one input at a time (of the output named
+    ``output``, for an operator with several)."""
     scale = golden.abs()
+    position = [arg.name for arg in opdef.outputs].index(output)
     for index, tensor in enumerate(inputs):
         if tensor is None or not tensor.is_floating_point():
             continue
@@ -159,7 +161,8 @@ def perturbation_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attr
         for sign in (1.0, -1.0):
             moved = list(inputs)
             moved[index] = tensor * (1.0 + sign * RELATIVE_STEP)
-            shifted.append(opdef.reference_fn(*moved, compute_dtype=torch.float64, **attrs))
+            results = opdef.reference_fn(*moved, compute_dtype=torch.float64, **attrs)
+            shifted.append(results[position] if isinstance(results, tuple) else results)
         scale = scale + ((shifted[0] - shifted[1]) / (2 * RELATIVE_STEP)).abs()
     return scale
 

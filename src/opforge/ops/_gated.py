@@ -1,12 +1,14 @@
 """Gated linear units: ``glu(x, dim) = act(a) * b`` with ``a, b`` the two halves of ``x``
-along ``dim`` (the first half gated by the second), and their gradient, from an activation's
-value and derivative. One kernel pass reads each half once and writes each output once;
-`gated` makes an operator of it, as `opforge.ops._elementwise.pointwise` does for unary
-ones.
+along ``dim`` (the first half gated by the second), or ``act(gate) * up`` of two tensors
+(a model's MLP, whose gate and up projections are separate), and their gradients, from an
+activation's value and derivative. One kernel pass reads each operand once and writes
+each output once; `gated` and `gated_product` make operators of it, as
+`opforge.ops._elementwise.pointwise` does for unary ones.
 
 Layout: ``x`` as ``(outer, 2, half * inner)`` contiguous, so element ``i`` of the output,
-row ``o = i // (half * inner)``, pairs ``x[o, 0, r]`` and ``x[o, 1, r]``. A strided ``x``
-or gradient is copied to contiguous first (the launchers read them by offset).
+row ``o = i // (half * inner)``, pairs ``x[o, 0, r]`` and ``x[o, 1, r]``; ``gate`` and
+``up`` contiguous, element ``i`` with element ``i``. A strided operand is copied to
+contiguous first (the launchers read them by offset).
 """
 
 from __future__ import annotations
@@ -18,10 +20,28 @@ from typing import Any
 import torch
 
 from opforge.core.errors import AttrError, ShapeError
-from opforge.core.opdef import Attr, Attrs, BenchSpec, Case, OpDef, PrecisionSpec, Specs, TensorArg
+from opforge.core.opdef import (
+    Attr,
+    Attrs,
+    BenchSpec,
+    Case,
+    OpDef,
+    OutputArg,
+    PrecisionSpec,
+    Specs,
+    TensorArg,
+)
 from opforge.core.shapes import normalize_dim
 from opforge.core.tiling import INT32_LIMIT
-from opforge.ops._elementwise import elementwise_op, random_input
+from opforge.ops._elementwise import (
+    elementwise_cost,
+    elementwise_grid,
+    elementwise_op,
+    elementwise_tiling,
+    perturbation_scale,
+    random_input,
+    same_shape_pair,
+)
 from opforge.precision.cases import generate
 
 try:
@@ -82,23 +102,35 @@ if triton is not None:
 
     ACT = ACT_GRAD = None  # the unit's activation and its slope: bound by `bind_functions`
 
-    def _gated_kernel(x_ptr, grad_ptr, out_ptr, n, width, BACKWARD: tl.constexpr,
-                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
-        # A kernel per unit: ACT and ACT_GRAD are bound by `bind_functions`.
+    def _gated_kernel(x_ptr, up_ptr, grad_ptr, out_ptr, grad_up_ptr, n, width,
+                      BACKWARD: tl.constexpr, HALVES: tl.constexpr, WIDE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        # A kernel per unit: ACT and ACT_GRAD are bound by `bind_functions`. HALVES: a and
+        # b are the halves of each row of x (the gradient is one tensor of x's layout);
+        # otherwise a is x and b is up, both contiguous (each gradient a tensor of its own).
         first = tl.program_id(0) * BLOCK
         if WIDE:
             first = first.to(tl.int64)
         for start in range(first, n, tl.num_programs(0) * BLOCK):
             index = start + tl.arange(0, BLOCK)
             mask = index < n
-            gated = index // width * (2 * width) + index % width
+            if HALVES:
+                gated = index // width * (2 * width) + index % width
+                b = widen(tl.load(x_ptr + gated + width, mask=mask))
+            else:
+                gated = index
+                b = widen(tl.load(up_ptr + index, mask=mask))
             a = widen(tl.load(x_ptr + gated, mask=mask))
-            b = widen(tl.load(x_ptr + gated + width, mask=mask))
             if BACKWARD:
                 g = widen(tl.load(grad_ptr + index, mask=mask))
                 # (g act'(a)) b: an act' that underflows to 0 gives 0, not inf * 0.
                 tl.store(out_ptr + gated, rounded_for(g * ACT_GRAD(a) * b, out_ptr), mask=mask)
-                tl.store(out_ptr + gated + width, rounded_for(g * ACT(a), out_ptr), mask=mask)
+                if HALVES:
+                    tl.store(out_ptr + gated + width, rounded_for(g * ACT(a), out_ptr),
+                             mask=mask)
+                else:
+                    tl.store(grad_up_ptr + index, rounded_for(g * ACT(a), grad_up_ptr),
+                             mask=mask)
             else:
                 tl.store(out_ptr + index, rounded_for(ACT(a) * b, out_ptr), mask=mask)
 
@@ -149,7 +181,7 @@ def _gradient_samples(dtype: torch.dtype, device: torch.device, generator: torch
 def gated(name: str, doc: str, *, act: Any, act_grad: Any,
           reference: Callable[[torch.Tensor], torch.Tensor],
           reference_grad: Callable[[torch.Tensor], torch.Tensor],
-          flops: int, gradient_flops: int) -> tuple[OpDef, OpDef]:
+          flops: int, gradient_flops: int, bench: BenchSpec) -> tuple[OpDef, OpDef]:
     """A gated operator ``name(x, dim=-1) = act(a) * b`` and its gradient
     ``name_backward(grad, x, dim)``, registered with autograd and exported as
     ``opforge.<name>``.
@@ -159,6 +191,7 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
             its derivative (``None`` without triton).
         reference, reference_grad: the same in torch, in their input's dtype.
         flops, gradient_flops: floating-point operations per output element.
+        bench: how ``opforge bench`` sweeps the forward (its peers).
     """
     from opforge.library import register_op
 
@@ -177,7 +210,7 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         name, doc, (TensorArg("x"),), _samples, attrs=(DIM,), flops_per_element=flops,
         infer_shape=_halved, check=_check(name),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_sweep),
-        bench=BenchSpec())
+        bench=bench)
     backward = elementwise_op(
         f"{name}_backward", f"the gradient of {name} with respect to x.",
         (TensorArg("grad"), TensorArg("x")), _gradient_samples, attrs=(DIM,),
@@ -194,8 +227,9 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         grad = inputs[0].contiguous() if len(inputs) == 2 else x
         n = x.numel() // 2
         kernel = bind_functions(_gated_kernel, ACT=act, ACT_GRAD=act_grad)
-        kernel[plan.grid](x, grad, outputs[0], n, split_sizes(x.shape, plan.attrs["dim"])[1],
-                          BACKWARD=len(inputs) == 2, WIDE=2 * n > INT32_LIMIT,
+        kernel[plan.grid](x, x, grad, outputs[0], outputs[0], n,
+                          split_sizes(x.shape, plan.attrs["dim"])[1], BACKWARD=len(inputs) == 2,
+                          HALVES=True, WIDE=2 * n > INT32_LIMIT,
                           BLOCK=plan.tiling.blocks["BLOCK"])
 
     forward.launcher("triton")(launch)
@@ -221,5 +255,125 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
                           "dtype; differentiable.\n\n    Raises:\n        ShapeError: an odd "
                           "size along ``dim``, or a 0-d ``x``. AttrError: ``dim`` out of "
                           "range.\n        DtypeError: ``x`` is not a float dtype.\n    ")
+    forward.exported(functional)
+    return forward, backward
+
+
+# ---------------------------------------------------------------------------------------------
+# act(gate) * up of two tensors
+
+
+def _pair_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
+                  ) -> list[Case]:
+    def x(*shape: int) -> torch.Tensor:
+        return random_input(shape, dtype, device, generator)
+    inf, nan = float("inf"), float("nan")
+    # No gate whose float32 silu underflows meets an infinite up: 0 * inf is NaN where
+    # the float64 golden's tiny value gives inf (torch's float32 silu is NaN there too).
+    gate = torch.tensor([0.0, -0.0, inf, -inf, nan, 1e-20, -88.7, 88.7, -104.0, 1e4, -1e4, 3.0])
+    up = torch.tensor([1.5, -2.0, 1e4, -0.5, 2.0, inf, -3.0, -inf, 0.25, nan, -1e4, 0.0])
+    return [Case("rows_63x1000", (x(63, 1000), x(63, 1000))),
+            Case("batched_3x5x129", (x(3, 5, 129), x(3, 5, 129))),
+            Case("special", (gate.to(device, dtype), up.to(device, dtype))),
+            Case("transposed", (x(33, 17).t(), x(17, 33))),
+            Case("zero_rows", (x(0, 8), x(0, 8)))]
+
+
+def _pair_gradient_samples(dtype: torch.dtype, device: torch.device,
+                           generator: torch.Generator) -> list[Case]:
+    def triple(*shape: int) -> Case:
+        return Case(f"rows_{'x'.join(map(str, shape))}",
+                    (random_input(shape, dtype, device, generator, scale=1.0),
+                     random_input(shape, dtype, device, generator),
+                     random_input(shape, dtype, device, generator)))
+    return [triple(1000), triple(7, 63), triple(0, 4)]
+
+
+def _pair_sweep(count: int) -> Callable[..., list[Case]]:
+    """``count`` tensors of the kind and shape (the gradient first, for the backward)."""
+    def sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              generator: torch.Generator) -> list[Case]:
+        return [Case("", tuple(generate(kind, shape, dtype, device=device, generator=generator)
+                               for _ in range(count)))]
+    return sweep
+
+
+def gated_product(name: str, doc: str, *, act: Any, act_grad: Any,
+                  reference: Callable[[torch.Tensor], torch.Tensor],
+                  reference_grad: Callable[[torch.Tensor], torch.Tensor],
+                  flops: int, gradient_flops: int, bench: BenchSpec) -> tuple[OpDef, OpDef]:
+    """An operator ``name(gate, up) = act(gate) * up`` of two tensors of one shape and its
+    gradient ``name_backward(grad, gate, up) -> (grad_gate, grad_up)``, registered with
+    autograd and exported as ``opforge.<name>``; arguments as `gated`'s, and ``bench``:
+    how ``opforge bench`` sweeps the forward (its peers)."""
+    from opforge.library import register_op
+
+    def peer(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return reference(gate) * up
+
+    def gradient_peer(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad * reference_grad(gate) * up, grad * reference(gate)
+
+    peer.__doc__ = f"torch: {reference.__name__}(gate) * up"
+    gradient_peer.__doc__ = f"torch: the gradients of {reference.__name__}(gate) * up"
+
+    forward = elementwise_op(
+        name, doc, (TensorArg("gate"), TensorArg("up")), _pair_samples,
+        flops_per_element=flops, check=same_shape_pair(name, ("gate", "up")),
+        precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_pair_sweep(2)),
+        bench=bench)
+
+    def check_backward(inputs: Specs, attrs: Attrs) -> None:
+        same_shape_pair(f"{name}_backward", ("grad", "gate"))(inputs[:2], attrs)
+        same_shape_pair(f"{name}_backward", ("gate", "up"))(inputs[1:], attrs)
+
+    backward = OpDef(
+        name=f"{name}_backward", doc=f"the gradients of {name} with respect to gate and up.",
+        inputs=(TensorArg("grad"), TensorArg("gate"), TensorArg("up")),
+        outputs=(OutputArg("grad_gate"), OutputArg("grad_up")), attrs=(),
+        infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape), tuple(inputs[2].shape)],
+        infer_dtype=lambda inputs, attrs: [inputs[1].dtype, inputs[2].dtype],
+        check=check_backward, cost=elementwise_cost(gradient_flops),
+        tiling=elementwise_tiling, grid=elementwise_grid, error_scale=perturbation_scale,
+        samples=_pair_gradient_samples, inplace_out=True,
+        precision=PrecisionSpec("benchmark_ratio", "L0", gradient_peer,
+                                sweep=_pair_sweep(3)))
+    forward.reference(lambda gate, up, *, compute_dtype: peer(gate.to(compute_dtype),
+                                                              up.to(compute_dtype)))
+    backward.reference(lambda grad, gate, up, *, compute_dtype: gradient_peer(
+        grad.to(compute_dtype), gate.to(compute_dtype), up.to(compute_dtype)))
+
+    def launch(plan: Any, inputs: Sequence[torch.Tensor | None],
+               outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+        gate, up = (t.contiguous() for t in inputs[-2:])
+        grad = inputs[0].contiguous() if len(inputs) == 3 else gate
+        kernel = bind_functions(_gated_kernel, ACT=act, ACT_GRAD=act_grad)
+        kernel[plan.grid](gate, up, grad, outputs[0], outputs[-1], gate.numel(), 1,
+                          BACKWARD=len(inputs) == 3, HALVES=False,
+                          WIDE=gate.numel() > INT32_LIMIT, BLOCK=plan.tiling.blocks["BLOCK"])
+
+    forward.launcher("triton")(launch)
+    backward.launcher("triton")(launch)
+
+    def save_inputs(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+
+    @forward.autograd(save_inputs)
+    def differentiate(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return backward(grad, gate, up)
+
+    register_op(backward)
+    register_op(forward)
+
+    def functional(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return forward(gate, up)
+
+    functional.__name__ = functional.__qualname__ = name
+    functional.__doc__ = (f"{doc}\n\n    ``gate`` and ``up`` of one shape, any float dtypes; "
+                          "returns that shape in their promoted dtype; differentiable.\n\n"
+                          "    Raises:\n        ShapeError: ``gate`` and ``up`` differ in "
+                          "shape.\n        DtypeError: an operand is not a float dtype.\n    ")
     forward.exported(functional)
     return forward, backward
