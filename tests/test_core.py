@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 import threading
 from fractions import Fraction
 from unittest import mock
@@ -27,6 +30,7 @@ from opforge.core.tiling import (
     INT32_LIMIT,
     cdiv,
     gpu_warps,
+    grid_stride_wide,
     next_power_of_2,
     split_steps,
     wide_offsets,
@@ -490,6 +494,36 @@ def test_work_splits_fill_idle_cores_with_slices_of_at_least_min_steps():
             assert splits == max(1, min(math.ceil(Fraction(2 * cores, programs)),
                                         steps // 4)), (programs, steps)
             assert splits == 1 or steps // splits >= 4, (programs, steps)
+
+
+_GRID_STRIDE_PROBE = """
+import torch, opforge
+from opforge.aot import recorded_launches
+from opforge.core.hardware import get_profile
+from opforge.core.plan import plan
+for name, count in (("sigmoid", 1), ("silu_mul", 2)):
+    for n in (2**31 - 1000, 10**6):
+        inputs = (torch.empty(n, device="meta", dtype=torch.bfloat16),) * count
+        with recorded_launches(get_profile("h200")) as recorder:
+            plan(opforge.get_op(name), *inputs).run(*inputs)
+        print(name, n, *(v.constexprs["WIDE"] for v in recorder.variants.values()))
+"""
+
+
+def test_a_grid_stride_loop_near_int32_takes_int64_offsets():
+    """Below 2^31 elements, but within a step of the grid (programs x block) of it, the
+    elementwise and gated kernels' loop offset would wrap past 2^31 to a negative int32
+    that the mask lets through: they take int64 offsets there (meta tensors, launches
+    recorded on the compiled path, so without the interpreter)."""
+    assert grid_stride_wide(2**31 - 1000, 1056, 2048)
+    assert not grid_stride_wide(2**31 - 1 - 1056 * 2048, 1056, 2048)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _GRID_STRIDE_PROBE], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:4] == [
+        f"sigmoid {2**31 - 1000} True", "sigmoid 1000000 False",
+        f"silu_mul {2**31 - 1000} True", "silu_mul 1000000 False"]
 
 
 def test_wide_offsets_switch_when_the_reach_passes_int32():

@@ -81,6 +81,14 @@ def launch_options(tiling: object) -> dict[str, int]:
     return {key: value for key, value in chosen.items() if value is not None}
 
 
+def grid_stride_wide(elements: int, programs: int, block: int) -> bool:
+    """Whether a grid-stride loop over ``elements`` element offsets, ``programs`` programs
+    of ``block`` elements stepping ``programs * block``, needs int64 offsets: its offset
+    reaches ``elements + programs * block`` before the loop test stops it, and an int32
+    one wrapped past 2^31 is negative, which an ``offset < elements`` mask lets through."""
+    return elements + programs * block > INT32_LIMIT
+
+
 def wide_offsets(*tensors: Any) -> bool:
     """Whether a kernel addressing these tensors through their strides needs int64 element
     offsets (its ``WIDE`` switch): when the reach of some tensor, 1 + sum of (size - 1) *

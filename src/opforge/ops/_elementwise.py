@@ -33,7 +33,13 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import contiguous_strides, is_unknown_rank
-from opforge.core.tiling import INT32_LIMIT, cdiv, next_power_of_2, persistent_grid
+from opforge.core.tiling import (
+    INT32_LIMIT,
+    cdiv,
+    grid_stride_wide,
+    next_power_of_2,
+    persistent_grid,
+)
 
 try:
     import triton
@@ -307,9 +313,11 @@ def launch_elementwise(fn: object, out: torch.Tensor, a: torch.Tensor,
         layout = _layout(shape, (shape, a.stride()),
                          (shape, b.stride()) if b is not None else None)
     ndim, arguments, wide = layout
+    block = tiling.blocks["BLOCK"]
     bind_functions(_elementwise_kernel, FN=fn)[grid](
         out, a, b if b is not None else a, out.numel(), scalar, *arguments,
-        NDIM=ndim, HAS_B=b is not None, WIDE=wide, BLOCK=tiling.blocks["BLOCK"])
+        NDIM=ndim, HAS_B=b is not None,
+        WIDE=wide or grid_stride_wide(out.numel(), grid[0], block), BLOCK=block)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from opforge.core.opdef import (
     TensorArg,
 )
 from opforge.core.shapes import normalize_dim
-from opforge.core.tiling import INT32_LIMIT
+from opforge.core.tiling import INT32_LIMIT, grid_stride_wide
 from opforge.ops._elementwise import (
     elementwise_cost,
     elementwise_grid,
@@ -227,10 +227,12 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         grad = inputs[0].contiguous() if len(inputs) == 2 else x
         n = x.numel() // 2
         kernel = bind_functions(_gated_kernel, ACT=act, ACT_GRAD=act_grad)
+        block = plan.tiling.blocks["BLOCK"]
         kernel[plan.grid](x, x, grad, outputs[0], outputs[0], n,
                           split_sizes(x.shape, plan.attrs["dim"])[1], BACKWARD=len(inputs) == 2,
-                          HALVES=True, WIDE=2 * n > INT32_LIMIT,
-                          BLOCK=plan.tiling.blocks["BLOCK"])
+                          HALVES=True,
+                          WIDE=2 * n > INT32_LIMIT or grid_stride_wide(n, plan.grid[0], block),
+                          BLOCK=block)
 
     forward.launcher("triton")(launch)
     backward.launcher("triton")(launch)
@@ -349,9 +351,10 @@ def gated_product(name: str, doc: str, *, act: Any, act_grad: Any,
         gate, up = (t.contiguous() for t in inputs[-2:])
         grad = inputs[0].contiguous() if len(inputs) == 3 else gate
         kernel = bind_functions(_gated_kernel, ACT=act, ACT_GRAD=act_grad)
+        block = plan.tiling.blocks["BLOCK"]
         kernel[plan.grid](gate, up, grad, outputs[0], outputs[-1], gate.numel(), 1,
                           BACKWARD=len(inputs) == 3, HALVES=False,
-                          WIDE=gate.numel() > INT32_LIMIT, BLOCK=plan.tiling.blocks["BLOCK"])
+                          WIDE=grid_stride_wide(gate.numel(), plan.grid[0], block), BLOCK=block)
 
     forward.launcher("triton")(launch)
     backward.launcher("triton")(launch)
