@@ -167,26 +167,35 @@ def test_compile_check_specialises_arguments_as_a_launch_does():
 
 
 _ROUNDING_PROBE = """
+import os, tempfile
+from unittest import mock
 import torch, triton, opforge
 from triton.compiler import ASTSource
-from opforge.aot import _ast_source, parse_target, record_variants
+from opforge.aot import _ast_source, parse_target, record_variants, sass_instructions
+from opforge.ops import _math
 target, hardware = parse_target("cuda:90")
 (variant, *_) = record_variants([opforge.get_op("silu_mul")], [torch.bfloat16], hardware)
 compiled = triton.compile(_ast_source(ASTSource, variant), target=target,
                           options=variant.options)
-print(compiled.asm["ptx"].count("cvt.rn.bf16"))
+counts = [compiled.asm["ptx"].count("cvt.rn.bf16"), sass_instructions(variant, target)]
+with tempfile.TemporaryDirectory() as cache, \\
+        mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": cache}), \\
+        mock.patch.object(_math, "INTEGER_BF16_ROUNDING", _math.tl.constexpr(True)):
+    counts.append(sass_instructions(variant, target))
+print(*counts)
 """
 
 
 def test_a_kernel_compiled_for_a_gpu_rounds_to_bfloat16_with_the_gpus_conversion():
     """Compiled for a CUDA GPU, a bfloat16 result is rounded by the hardware's
-    round-to-nearest-even conversion (one instruction for two values, where the integer
-    form the interpreter needs takes about seven a value)."""
+    round-to-nearest-even conversion: fewer machine instructions than the integer form
+    the interpreter needs (about seven a value, against one for two)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _ROUNDING_PROBE], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.strip().splitlines()[-1]) > 0
+    conversions, hardware, integer = map(int, done.stdout.strip().splitlines()[-1].split())
+    assert conversions > 0 and 0 < hardware < integer
 
 
 def test_compile_check_needs_compiled_kernels():

@@ -261,20 +261,44 @@ def _wide_twin(variant: KernelVariant) -> KernelVariant:
                          set(variant.ops), dict(variant.options), dict(variant.attrs))
 
 
-def _resource_usage(cubin: bytes) -> dict[str, int]:
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """What Triton's own ``cuobjdump`` prints of ``cubin`` with ``flag``; ``None`` where
+    this Triton ships none."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
     if not os.path.exists(tool):
-        return {}
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        done = subprocess.run([tool, "--dump-resource-usage", handle.name],
-                              capture_output=True, text=True, check=False)
-    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED):(\d+)",
-                                                         done.stdout)}
+        return subprocess.run([tool, flag, handle.name], capture_output=True, text=True,
+                              check=False).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    return {key: int(value) for key, value in re.findall(
+        r"(REG|STACK|SHARED):(\d+)", _cuobjdump(cubin, "--dump-resource-usage") or "")}
+
+
+def sass_instructions(variant: KernelVariant, target: Any) -> int:
+    """The machine instructions of ``variant`` compiled for the CUDA ``target`` (its SASS,
+    prologue and loop body: a kernel's issue work per loop step, over its values a thread,
+    bounds what it spends a value).
+
+    Raises:
+        RuntimeError: this Triton ships no ``cuobjdump`` to disassemble with.
+    """
+    import triton
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(_ast_source(ASTSource, variant), target=target,
+                              options=variant.options)
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
+    if sass is None:
+        raise RuntimeError("this Triton ships no cuobjdump to disassemble the kernel with")
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.MULTILINE))
 
 
 # Ascend profiles and the triton-ascend architecture each is lowered for.

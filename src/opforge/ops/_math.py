@@ -80,8 +80,8 @@ if triton is not None:
     # bfloat16 rounding in integer operations only where a cast may not round to nearest
     # even (the interpreter's truncates; triton-ascend's is not checked): compiled for a
     # CUDA GPU, cvt.rn.bf16x2 gives the same bits for two values in one instruction where
-    # the integer form takes about seven a value (sm_90 SASS: sigmoid's loop 376 -> 280
-    # instructions for 16 values a thread, silu_mul_backward's 688 -> 504).
+    # the integer form takes about seven a value (sm_90 SASS of sigmoid's kernel, 16
+    # values a thread: 376 -> 280 instructions; silu_mul_backward's 688 -> 504).
     INTEGER_BF16_ROUNDING = tl.constexpr(interpreter_enabled()
                                          or "ascend" in triton.backends.backends)
 
