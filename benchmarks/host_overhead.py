@@ -134,6 +134,8 @@ def curated(device: torch.device) -> dict[str, Case]:
         "silu_backward": Case("8x256", (grad, x), {}),
         "swiglu": Case("8x512", (randn(8, 512),), {}),
         "swiglu_backward": Case("8x512", (grad, randn(8, 512)), {}),
+        "silu_mul": Case("8x256", (x, randn(8, 256)), {}),
+        "silu_mul_backward": Case("8x256", (grad, x, randn(8, 256)), {}),
         "broadcast_add": Case("8x256+256", (x, bias), {}),
         "reduce_sum": Case("8x256 rows", (x,), {"dims": [-1]}),
         "matmul": Case("16x64@64x64", (randn(16, 64), randn(64, 64)), {}),
