@@ -398,7 +398,6 @@ def pointwise(name: str, doc: str, *, value: Any, gradient: Any,
     Returns:
         The two OpDefs, registered.
     """
-    from opforge.library import register_op
 
     forward = elementwise_op(
         name, doc, (TensorArg("x"),), _unary_samples(special), flops_per_element=flops,
@@ -425,15 +424,24 @@ def pointwise(name: str, doc: str, *, value: Any, gradient: Any,
         (x,) = ctx.saved_tensors
         return backward(grad, x).to(x.dtype)
 
-    register_op(backward)
-    register_op(forward)
-
     def functional(x: torch.Tensor) -> torch.Tensor:
         return forward(x)
 
-    functional.__name__ = functional.__qualname__ = name
-    functional.__doc__ = (f"{doc}\n\n    Same shape and dtype as ``x`` (any float dtype), "
-                          "differentiable.\n\n    Raises:\n        DtypeError: ``x`` is not "
-                          "float32/float16/bfloat16/float64.\n    ")
+    return registered(forward, backward, functional,
+                      f"{doc}\n\n    Same shape and dtype as ``x`` (any float dtype), "
+                      "differentiable.\n\n    Raises:\n        DtypeError: ``x`` is not "
+                      "float32/float16/bfloat16/float64.\n    ")
+
+
+def registered(forward: OpDef, backward: OpDef, functional: Callable[..., torch.Tensor],
+               doc: str) -> tuple[OpDef, OpDef]:
+    """Register an operator made from its math and its gradient (``torch.ops.opforge``),
+    and export ``functional`` under the operator's name with ``doc``; returns the pair."""
+    from opforge.library import register_op
+
+    register_op(backward)
+    register_op(forward)
+    functional.__name__ = functional.__qualname__ = forward.name
+    functional.__doc__ = doc
     forward.exported(functional)
     return forward, backward

@@ -40,6 +40,7 @@ from opforge.ops._elementwise import (
     elementwise_tiling,
     perturbation_scale,
     random_input,
+    registered,
     same_shape_pair,
 )
 from opforge.precision.cases import generate
@@ -193,7 +194,6 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         flops, gradient_flops: floating-point operations per output element.
         bench: how ``opforge bench`` sweeps the forward (its peers).
     """
-    from opforge.library import register_op
 
     def peer(x: torch.Tensor, dim: int) -> torch.Tensor:
         a, b = halves(x, dim)
@@ -246,19 +246,14 @@ def gated(name: str, doc: str, *, act: Any, act_grad: Any,
         (x,) = ctx.saved_tensors
         return backward(grad, x, ctx.dim).to(x.dtype), None
 
-    register_op(backward)
-    register_op(forward)
-
     def functional(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return forward(x, dim)
 
-    functional.__name__ = functional.__qualname__ = name
-    functional.__doc__ = (f"{doc}\n\n    Returns x's shape with ``dim`` halved, in x's "
-                          "dtype; differentiable.\n\n    Raises:\n        ShapeError: an odd "
-                          "size along ``dim``, or a 0-d ``x``. AttrError: ``dim`` out of "
-                          "range.\n        DtypeError: ``x`` is not a float dtype.\n    ")
-    forward.exported(functional)
-    return forward, backward
+    return registered(forward, backward, functional,
+                      f"{doc}\n\n    Returns x's shape with ``dim`` halved, in x's "
+                      "dtype; differentiable.\n\n    Raises:\n        ShapeError: an odd "
+                      "size along ``dim``, or a 0-d ``x``. AttrError: ``dim`` out of "
+                      "range.\n        DtypeError: ``x`` is not a float dtype.\n    ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +303,6 @@ def gated_product(name: str, doc: str, *, act: Any, act_grad: Any,
     gradient ``name_backward(grad, gate, up) -> (grad_gate, grad_up)``, registered with
     autograd and exported as ``opforge.<name>``; arguments as `gated`'s, and ``bench``:
     how ``opforge bench`` sweeps the forward (its peers)."""
-    from opforge.library import register_op
 
     def peer(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return reference(gate) * up
@@ -367,16 +361,11 @@ def gated_product(name: str, doc: str, *, act: Any, act_grad: Any,
         gate, up = ctx.saved_tensors
         return backward(grad, gate, up)
 
-    register_op(backward)
-    register_op(forward)
-
     def functional(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return forward(gate, up)
 
-    functional.__name__ = functional.__qualname__ = name
-    functional.__doc__ = (f"{doc}\n\n    ``gate`` and ``up`` of one shape, any float dtypes; "
-                          "returns that shape in their promoted dtype; differentiable.\n\n"
-                          "    Raises:\n        ShapeError: ``gate`` and ``up`` differ in "
-                          "shape.\n        DtypeError: an operand is not a float dtype.\n    ")
-    forward.exported(functional)
-    return forward, backward
+    return registered(forward, backward, functional,
+                      f"{doc}\n\n    ``gate`` and ``up`` of one shape, any float dtypes; "
+                      "returns that shape in their promoted dtype; differentiable.\n\n"
+                      "    Raises:\n        ShapeError: ``gate`` and ``up`` differ in "
+                      "shape.\n        DtypeError: an operand is not a float dtype.\n    ")
