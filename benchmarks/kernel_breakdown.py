@@ -7,7 +7,9 @@ forward + backward steps after a warm-up; the report lists each kernel's device 
 step, so a slow pair shows which of its kernels (the main pass, a partials' sum, a copy)
 takes the time. ``--warps 4,8,16,32`` then profiles opforge's row kernels (the norms,
 softmax and cross_entropy) with each ``num_warps`` in turn, in place of the one their
-tiling chooses.
+tiling chooses; ``--programs-per-core 2,4,8,100000`` every case with its persistent
+grids at each count of programs a core (8 by default; a count past the blocks gives one
+block a program, as torch's and Liger's elementwise kernels launch).
 
 Usage (on the GPU machine, from the repository root)::
 
@@ -25,6 +27,7 @@ import unittest.mock
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 import opforge
 from gpu_bench import parse_shape, training_cases, training_step
 from opforge.core import tiling
-from opforge.ops import cross_entropy, softmax
+from opforge.ops import cross_entropy, reduce_sum, softmax
 from opforge.profiler.results import environment, write_results
 
 # The modules whose tilings choose num_warps with gpu_warps (the row kernels; the norms'
@@ -55,33 +58,47 @@ def kernel_times(step: object, iterations: int) -> list[tuple[str, float, int]]:
             for event in kernels]
 
 
-def warps_rows(cases: Sequence[object], warps: Sequence[int], iterations: int
-               ) -> tuple[list[str], list[dict[str, object]]]:
-    """opforge's forward + backward of each case with every row kernel at each of
-    ``warps``: (markdown lines, CSV rows)."""
-    lines = ["## opforge's row kernels by num_warps", "",
-             "| op | num_warps | kernel | µs per step |", "|---|---:|---|---:|"]
+def sweep_rows(setting: str, values: Sequence[int],
+               patches: Callable[[int], list[Any]], cases: Sequence[object],
+               iterations: int) -> tuple[list[str], list[dict[str, object]]]:
+    """opforge's forward + backward of each case with ``setting`` at each of ``values``
+    (``patches(value)``: the mock patches that apply it): (markdown lines, CSV rows)."""
+    lines = [f"## opforge's kernels by {setting}", "",
+             f"| op | {setting} | kernel | µs per step |", "|---|---:|---|---:|"]
     rows: list[dict[str, object]] = []
-    for count in warps:
+    for value in values:
         with ExitStack() as stack:
-            for module in ROW_KERNEL_MODULES:
-                stack.enter_context(unittest.mock.patch.object(
-                    module, "gpu_warps", lambda *_, count=count: count))
-            opforge.clear_caches()
+            for patch in patches(value):
+                stack.enter_context(patch)
+            opforge.clear_caches()  # plans hold their tiling and grid
             for case in cases:
                 function: Callable[..., torch.Tensor] = case.impls[0][1]
                 try:
                     times = kernel_times(training_step(function, case.leaves), iterations)
-                except Exception as error:  # a count a kernel cannot take: reported
-                    lines.append(f"| {case.op} | {count} | error: {type(error).__name__} | |")
+                except Exception as error:  # a value a kernel cannot take: reported
+                    lines.append(f"| {case.op} | {value} | error: {type(error).__name__} | |")
                     continue
                 for kernel, us, _ in times:
-                    lines.append(f"| {case.op} | {count} | `{kernel[:60]}` | {us:.1f} |")
-                    rows.append({"op": case.op, "impl": f"opforge num_warps={count}",
+                    lines.append(f"| {case.op} | {value} | `{kernel[:60]}` | {us:.1f} |")
+                    rows.append({"op": case.op, "impl": f"opforge {setting}={value}",
                                  "kernel": kernel, "us_per_step": round(us, 2),
                                  "launches": 0})
     opforge.clear_caches()
     return [*lines, ""], rows
+
+
+def warps_patches(count: int) -> list[Any]:
+    """Every row kernel's tiling at ``count`` warps."""
+    return [unittest.mock.patch.object(module, "gpu_warps", lambda *_, count=count: count)
+            for module in ROW_KERNEL_MODULES]
+
+
+def programs_patches(count: int) -> list[Any]:
+    """Persistent grids of ``count`` programs a core (up to one block a program): the
+    elementwise, gated and rope kernels and the norms' forwards (`tiling.persistent_grid`),
+    softmax's and reduce_sum's (which size by the count themselves)."""
+    return [unittest.mock.patch.object(module, "PROGRAMS_PER_CORE", count)
+            for module in (tiling, softmax, reduce_sum)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warps", default="",
                         help="comma-separated num_warps for opforge's row kernels")
+    parser.add_argument("--programs-per-core", default="",
+                        help="comma-separated programs a core for opforge's persistent "
+                             "grids (a count past the blocks gives one block a program)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_breakdown.py needs a CUDA device", file=sys.stderr)
@@ -122,12 +142,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "us_per_step": round(us, 2), "launches": launches})
             print(f"{case.op:14} {impl:14} {total:9.1f} us", flush=True)
         lines.append("")
-    if args.warps:
-        sweep_lines, sweep_rows = warps_rows(
-            [case for case in cases if case.op not in ("swiglu", "silu_mul")],
-            [int(count) for count in args.warps.split(",")], args.iterations)
-        lines += sweep_lines
-        rows += sweep_rows
+    row_cases = [case for case in cases if case.op not in ("swiglu", "silu_mul")]
+    for setting, text, patches, swept in (
+            ("num_warps", args.warps, warps_patches, row_cases),
+            ("programs a core", args.programs_per_core, programs_patches, cases)):
+        if text:
+            sweep_lines, sweep_results = sweep_rows(
+                setting, [int(value) for value in text.split(",")], patches, swept,
+                args.iterations)
+            lines += sweep_lines
+            rows += sweep_results
     env = environment(device)
     text = "\n".join(lines) + "\n" + "".join(f"- {k}: {v}\n" for k, v in env.items())
     csv_path, md_path = write_results(args.out, "kernel_breakdown",

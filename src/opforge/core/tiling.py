@@ -31,10 +31,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def persistent_grid(tiles: int, hardware: HardwareProfile) -> int:
-    """Programs for ``tiles`` units of work: each program loops over
+def persistent_grid(tiles: int, hardware: HardwareProfile, per_core: int | None = None
+                    ) -> int:
+    """Programs for ``tiles`` units of work, ``per_core`` a core at most
+    (`PROGRAMS_PER_CORE` when ``None``, read at each call): each program loops over
     ``range(pid, tiles, num_programs)``; at least 1 so that a grid is never empty."""
-    return max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS))
+    per_core = PROGRAMS_PER_CORE if per_core is None else per_core
+    return max(1, min(tiles, hardware.core_count * per_core, MAX_PROGRAMS))
 
 
 def work_splits(programs: int, steps: int, hardware: HardwareProfile, min_steps: int = 4,

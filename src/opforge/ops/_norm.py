@@ -48,10 +48,10 @@ from opforge.core.opdef import Attrs, Cost, Specs, Tiling
 from opforge.core.tiling import (
     INT32_LIMIT,
     MAX_PROGRAMS,
-    PROGRAMS_PER_CORE,
     cdiv,
     launch_options,
     next_power_of_2,
+    persistent_grid,
     rows_then_looped,
 )
 
@@ -100,14 +100,14 @@ def tiling(geometry: Geometry, streams: int) -> Callable[..., list[Tiling]]:
 BACKWARD_PROGRAMS_PER_CORE = 2
 
 
-def grid(geometry: Geometry, per_core: int = PROGRAMS_PER_CORE
+def grid(geometry: Geometry, per_core: int | None = None
          ) -> Callable[..., tuple[int, ...]]:
-    """A persistent grid over row blocks, ``per_core`` programs per core at most."""
+    """A persistent grid over row blocks, ``per_core`` programs per core at most (the
+    shared count, `tiling.persistent_grid`'s, when ``None``)."""
     def choose(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
                hardware: HardwareProfile) -> tuple[int, ...]:
         rows, _ = geometry(inputs, attrs)
-        blocks = cdiv(rows, tiling.blocks["BLOCK_M"])
-        return (max(1, min(blocks, hardware.core_count * per_core, MAX_PROGRAMS)),)
+        return (persistent_grid(cdiv(rows, tiling.blocks["BLOCK_M"]), hardware, per_core),)
     return choose
 
 

@@ -49,12 +49,11 @@ from opforge.core.opdef import (
 from opforge.core.shapes import UNKNOWN_RANK, broadcast_shapes, is_unknown_rank
 from opforge.core.tiling import (
     INT32_LIMIT,
-    MAX_PROGRAMS,
-    PROGRAMS_PER_CORE,
     cdiv,
     gpu_warps,
     launch_options,
     next_power_of_2,
+    persistent_grid,
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
@@ -143,7 +142,7 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
     rows, cols = _rows_and_cols(inputs[0])
     tiles = cdiv(rows, tiling.blocks["BLOCK_M"]) * cdiv(cols, tiling.blocks["BLOCK_N"])
-    return (max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
+    return (persistent_grid(tiles, hardware),)
 
 
 def rope_tables(positions: torch.Tensor, dim: int, mode: str, base: float = 10000.0
