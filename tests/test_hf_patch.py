@@ -107,17 +107,20 @@ def _rms_error(value: torch.Tensor, golden: torch.Tensor, valid: torch.Tensor | 
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How often the patched forwards reach each opforge functional."""
+    """How often the patched forwards reach each opforge functional (the MLP's through
+    `opforge.nn.SwiGLUMLP`, which reads it from `opforge.functional`)."""
     counted: dict[str, int] = {}
-    for name in ("attention", "rms_norm", "rope", "silu_mul", "cross_entropy",
-                 "moe_gating_top_k", "fused_linear_cross_entropy"):
-        real = getattr(opforge.hf, name)
+    for module, name in ((opforge.hf, "attention"), (opforge.hf, "rms_norm"),
+                         (opforge.hf, "rope"), (opforge.functional, "silu_mul"),
+                         (opforge.hf, "cross_entropy"), (opforge.hf, "moe_gating_top_k"),
+                         (opforge.hf, "fused_linear_cross_entropy")):
+        real = getattr(module, name)
 
         def counting(*args, _name=name, _real=real, **kwargs):
             counted[_name] = counted.get(_name, 0) + 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(opforge.hf, name, counting)
+        monkeypatch.setattr(module, name, counting)
     return counted
 
 

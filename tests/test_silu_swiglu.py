@@ -84,6 +84,37 @@ def test_silu_mul_promotes_and_returns_each_gradient_in_its_operand_dtype(backen
                                                      up.detach())), (grad_gate, grad_up))
 
 
+class _TorchMLP(torch.nn.Module):
+    """transformers' LlamaMLP in torch operators."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inner, bias)
+        self.up_proj = torch.nn.Linear(hidden, inner, bias)
+        self.down_proj = torch.nn.Linear(inner, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_mlp_module_loads_a_transformers_mlp_and_trains_alike(bias, backend):
+    torch.manual_seed(0)
+    reference = _TorchMLP(16, 40, bias).to(DEVICE)
+    ours = opforge.nn.SwiGLUMLP(16, 40, bias=bias, device=DEVICE)
+    ours.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 5, 16, device=DEVICE)
+    out, expected = ours(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, mine), theirs in zip(ours.named_parameters(), reference.parameters(),
+                                    strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+    x = torch.randn(7, 9, device=DEVICE)
+    assert torch.equal(opforge.nn.SiLU()(x), opforge.silu(x))
+
+
 def test_silu_swiglu_and_silu_mul_gradcheck_in_float64():
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     up = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)

@@ -5,8 +5,9 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 
 - every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
   result in torch's promoted dtype of the input and the weight, as the module gives it);
-- every SwiGLU MLP's forward by ``down(silu_mul(gate(x), up(x)))`` (`opforge.silu_mul`:
-  one pass each way where ``silu`` and a product make two forward and three backward);
+- every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
+  up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
+  forward and three backward);
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opforge import nn
 from opforge.core.errors import OpError
 from opforge.functional import (
     attention,
@@ -51,7 +53,6 @@ from opforge.functional import (
     moe_gating_top_k,
     rms_norm,
     rope,
-    silu_mul,
 )
 
 ATTENTION_NAME = "opforge"
@@ -134,10 +135,6 @@ def _deepseek_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
         routed_scaling_factor=self.routed_scaling_factor, eps=1e-20,
         index_dtype=torch.int64)
     return router_logits, weights, experts
-
-
-def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -462,7 +459,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
             _bind(module, _rms_norm_forward, modules)
             report.patched.setdefault("rms_norm", []).append(name)
         elif mlp and _is_swiglu_mlp(module):
-            _bind(module, _mlp_forward, modules)
+            _bind(module, nn.SwiGLUMLP.forward, modules)
             report.patched.setdefault("swiglu_mlp", []).append(name)
         elif router and _router_forward(module) is not None:
             _bind(module, _router_forward(module), modules)

@@ -32,6 +32,36 @@ class Sigmoid(torch.nn.Module):
         return functional.sigmoid(x)
 
 
+class SiLU(torch.nn.Module):
+    """``torch.nn.SiLU`` computed by `opforge.silu` (one division, overflow-free)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.silu(x)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """A Llama-style gated MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, its gate
+    step one `opforge.silu_mul` pass each way; the projections are ``torch.nn.Linear``
+    named as transformers names them, so a transformers MLP's ``state_dict`` loads.
+
+    Args:
+        hidden_size, intermediate_size: the input/output width and the gated width.
+        bias: whether the three projections have biases.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        options = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **options)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **options)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(functional.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 class Softmax(torch.nn.Module):
     """``torch.nn.Softmax`` computed by `opforge.softmax` (max-subtracted, float32
     statistics, online multi-block for long rows). ``dim=None`` follows torch's legacy
