@@ -79,9 +79,10 @@ if triton is not None:
     BF16_NAN = tl.constexpr(0x7FC0)
     # bfloat16 rounding in integer operations only where a cast may not round to nearest
     # even (the interpreter's truncates; triton-ascend's is not checked): compiled for a
-    # CUDA GPU, cvt.rn.bf16x2 gives the same bits for two values in one instruction where
-    # the integer form takes about seven a value (sm_90 SASS of sigmoid's kernel, 16
-    # values a thread: 376 -> 280 instructions; silu_mul_backward's 688 -> 504).
+    # CUDA GPU, cvt.rn.bf16.f32 (F2FP.BF16.F32.PACK_AB in SASS) gives the same bits for two
+    # values in one instruction where the integer form takes about seven a value (sm_90
+    # SASS of sigmoid's kernel, 16 values a thread: 376 -> 280 instructions;
+    # silu_mul_backward's 688 -> 504).
     INTEGER_BF16_ROUNDING = tl.constexpr(interpreter_enabled()
                                          or "ascend" in triton.backends.backends)
 
