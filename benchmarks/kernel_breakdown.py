@@ -95,8 +95,9 @@ def warps_patches(count: int) -> list[Any]:
 
 def programs_patches(count: int) -> list[Any]:
     """Persistent grids of ``count`` programs a core (up to one block a program): the
-    elementwise, gated and rope kernels and the norms' forwards (`tiling.persistent_grid`),
-    softmax's and reduce_sum's (which size by the count themselves)."""
+    elementwise, gated, rope and cross_entropy kernels and the norms' forwards
+    (`tiling.persistent_grid`), softmax's and reduce_sum's (which size by the count
+    themselves)."""
     return [unittest.mock.patch.object(module, "PROGRAMS_PER_CORE", count)
             for module in (tiling, softmax, reduce_sum)]
 

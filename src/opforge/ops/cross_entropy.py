@@ -54,13 +54,12 @@ from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import (
     INT32_LIMIT,
     LOOP_BLOCK,
-    MAX_PROGRAMS,
-    PROGRAMS_PER_CORE,
     ROWS_TILE,
     cdiv,
     gpu_warps,
     launch_options,
     next_power_of_2,
+    persistent_grid,
     rows_then_looped,
 )
 from opforge.library import register_op
@@ -212,7 +211,7 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
     tiles = cdiv(rows, tiling.blocks["BLOCK_M"])
     if tiling.variant == "tiles":
         tiles *= cdiv(classes, tiling.blocks["BLOCK_N"])
-    return (max(1, min(tiles, hardware.core_count * PROGRAMS_PER_CORE, MAX_PROGRAMS)),)
+    return (persistent_grid(tiles, hardware),)
 
 
 def _workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
