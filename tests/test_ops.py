@@ -154,6 +154,37 @@ def test_gelu_left_tail_keeps_relative_accuracy(backend):
     assert max_relative_error(torch.nn.functional.gelu(x)) > 0.1
 
 
+def _every_value(dtype: torch.dtype, low: float, high: float) -> torch.Tensor:
+    """Every finite 16-bit value of ``dtype`` in ``[low, high]``."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype)
+    return values[values.isfinite() & (values >= low) & (values <= high)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gelu_16bit_results_are_correctly_rounded(dtype, backend):
+    """Over every 16-bit input from -14.5 (past erfc's underflow) to 8, the erf form's
+    16-bit results, forward and backward, are the float64 golden rounded to nearest, or
+    its neighbour where the golden lies within 2e-5 (of the terms' size) of a rounding
+    midpoint: the float32 evaluation's error, not the 16-bit rounding."""
+    x = _every_value(dtype, -14.5, 8.0).to(DEVICE)
+    x64 = x.double().cpu()
+    cdf = 0.5 * torch.special.erfc(-x64 / math.sqrt(2))
+    pdf = torch.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi)
+    for name, ours, golden, size in (
+            ("gelu", opforge.gelu(x), x64 * cdf, (x64 * cdf).abs()),
+            ("gelu_backward", opforge.get_op("gelu_backward")(torch.ones_like(x), x, "none"),
+             cdf + x64 * pdf,
+             cdf + (x64 * pdf).abs())):
+        assert ours.dtype == dtype
+        error = (ours.cpu().double() - golden).abs()
+        rounded = (golden.to(dtype).double() - golden).abs()
+        excess = error - rounded
+        worst = int(excess.argmax())
+        assert (excess <= 2e-5 * size).all(), (name, float(x64[worst]),
+                                               float(excess[worst] / size[worst]))
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_special_values_follow_torch(approximate, backend):
     x = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0], device=DEVICE)

@@ -5,12 +5,12 @@ without libdevice: ``Phi`` is erf's Taylor series near 0 and ``erfc`` (never ``1
 which cancels) in the tails, with ``exp(-x^2/2)`` split so that the rounding of ``x*x`` does
 not grow the error with x^2. The result is within a few float32 ulps of torch's float64 gelu
 everywhere, including the far left tail where a float32 ``1 + erf(x / sqrt(2))`` loses every
-digit. For 16-bit results the erfc fit serves the whole range with one exp (no series, no
-split): a few float32 ulps near 0 and up to 6e-6 relative far out, under a hundredth of
-a 16-bit ulp, for about half the instructions (the H200 ran the exact form bound by its
-arithmetic, at 2.2x torch's time; this form at 1.4x, 51% of copy bandwidth on 8192 x 8192
-bf16, benchmarks/results/gpu_2026-12-01/). The tanh form
-is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
+digit. For 16-bit results one erfc form serves the whole range (`_math._erfc_16bit`: an
+rsqrt, a degree-8 fit and one exp2): within 4.2e-7 relative for x >= 0 and 1e-5 far out,
+under a hundredth of a 16-bit ulp, in 24.5 sm_90 instructions a value. (The H200 ran the
+exact form at 2.2x torch's time, bound by its arithmetic, and the previous 16-bit form, a
+division and an exp in 37.5 instructions, at 1.4x: benchmarks/results/gpu_2026-12-01/.)
+The tanh form is ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, which is
 ``0.5 x (1 + tanh(u))`` without tanh's overflow.
 
 ``gelu_backward(grad, x) = grad * d gelu(x)/dx``: ``Phi(x) + x phi(x)`` for the erf form,
