@@ -477,6 +477,29 @@ def test_gpu_warps_keep_about_16_values_a_thread_within_4_to_32_warps():
     assert gpu_warps(16384, get_profile("ascend910b")) is None
 
 
+def test_one_row_tiles_take_32_values_a_thread_where_a_kernel_asks_up_to_8_warps():
+    """layer_norm's forward and the softmax backwards tile one row of 8192 at 8 warps (32
+    values a thread, faster on the H200); a tile of several rows, a one-row tile that
+    would need more than 8 warps (the register cap), and the other row kernels keep 16."""
+    def warps(op: str, rows: int, cols: int, **attrs: object) -> int:
+        x = torch.empty(rows, cols, dtype=torch.bfloat16)
+        inputs = {"layer_norm": (x, x[0], x[0]), "rms_norm": (x, x[0]),
+                  "softmax": (x,)}.get(op, (x, x))
+        with opforge.use_hardware("h200"), opforge.use_backend("triton"):
+            return opforge.plan(op, *inputs, **attrs).tiling.options["warps"]
+
+    norm = {"normalized_shape": [8192]}
+    assert warps("layer_norm", 64, 8192, **norm) == 8
+    assert warps("rms_norm", 64, 8192) == 16
+    for op in ("softmax_backward", "log_softmax_backward"):
+        assert warps(op, 64, 8192, dim=-1) == 8, op
+        assert warps(op, 64, 1024, dim=-1) == 8, op       # 4 x 1024 tiles: 16 a thread
+        assert warps(op, 64, 16384, dim=-1) == 32, op     # 16 warps at 32: 16 a thread
+    assert warps("softmax", 64, 8192, dim=-1) == 16
+    assert warps("layer_norm", 64, 4096, normalized_shape=[4096]) == 4
+    assert warps("layer_norm", 64, 16384, normalized_shape=[16384]) == 32
+
+
 def test_work_splits_fill_idle_cores_with_slices_of_at_least_min_steps():
     """work_splits is 1 on the CPU and once the programs fill busy_share of the cores;
     otherwise enough slices for two programs a core, each at least min_steps steps."""

@@ -109,18 +109,35 @@ def wide_offsets(*tensors: Any) -> bool:
     return False
 
 
+def one_row_values_per_thread(block_m: int, block_n: int, values_per_thread: int,
+                              one_row: int | None) -> int:
+    """`gpu_warps`' values a thread for a tile of ``block_m`` rows of ``block_n``:
+    ``one_row`` for a tile of one row where a kernel asks for it and it leaves the
+    program at most 8 warps, else ``values_per_thread``. A thread may hold 65536 / threads
+    registers: 255 at 8 warps, 128 at 16, where layer_norm's forward at 32 values a
+    thread spills (float32, 16384 columns, sm_90); several rows at 32 values a thread
+    spill too (4 x 1024 tiles of layer_norm's forward and softmax's backward)."""
+    if one_row is None or block_m != 1 or block_n // (32 * one_row) > 8:
+        return values_per_thread
+    return one_row
+
+
 def rows_then_looped(rows: int, cols: int, per_element: int, hardware: HardwareProfile,
-                     values_per_thread: int = VALUES_PER_THREAD) -> list[Tiling]:
+                     values_per_thread: int = VALUES_PER_THREAD,
+                     one_row: int | None = None) -> list[Tiling]:
     """Row-reduction candidates: ``rows`` (``BLOCK_M`` whole rows of ``cols`` in one
     tile), then ``looped`` (one row streamed in blocks of ``BLOCK_N``) with blocks from
     `LOOP_BLOCK` (or the hardware's tile limit) down to 16; ``per_element``: on-chip bytes
-    an element takes; ``values_per_thread``: `gpu_warps`'."""
+    an element takes; ``values_per_thread``: `gpu_warps`'; ``one_row``: values a thread
+    of a ``rows`` tile of one row (`one_row_values_per_thread`)."""
     block_n = next_power_of_2(max(cols, 1))
     block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
     candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
                          block_m * block_n * per_element, double_buffered=False,
-                         options={"warps": gpu_warps(block_m * block_n, hardware,
-                                                     values_per_thread)})]
+                         options={"warps": gpu_warps(
+                             block_m * block_n, hardware,
+                             one_row_values_per_thread(block_m, block_n,
+                                                       values_per_thread, one_row))})]
     block = min(LOOP_BLOCK, hardware.max_tile_elements, block_n)
     while block >= 16:
         candidates.append(Tiling("looped", {"BLOCK_M": 1, "BLOCK_N": block},

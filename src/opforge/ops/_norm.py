@@ -84,13 +84,16 @@ def rows_and_cols(shape: Sequence[int], normalized: int) -> tuple[int, int]:
     return (math.prod(shape) // cols if cols else 0), cols
 
 
-def tiling(geometry: Geometry, streams: int) -> Callable[..., list[Tiling]]:
+def tiling(geometry: Geometry, streams: int, one_row: int | None = None
+           ) -> Callable[..., list[Tiling]]:
     """Candidates: ``rows`` when ``BLOCK_M`` rows of ``streams`` row-sized tensors (and
-    their float32 copies) fit on chip, then ``looped`` with shrinking blocks."""
+    their float32 copies) fit on chip, then ``looped`` with shrinking blocks; ``one_row``:
+    values a thread of a one-row tile (`rows_then_looped`)."""
     def choose(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
                ) -> list[Tiling]:
         rows, cols = geometry(inputs, attrs)
-        return rows_then_looped(rows, cols, streams * (inputs[0].itemsize + 4), hardware)
+        return rows_then_looped(rows, cols, streams * (inputs[0].itemsize + 4), hardware,
+                                one_row=one_row)
     return choose
 
 

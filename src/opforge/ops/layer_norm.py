@@ -296,6 +296,11 @@ CANCELLING_MEAN = KnownLimitation(
     "rounding luck (the absolute error stays at a few ulp of the row's magnitude).",
     failures=("max_rel ratio*", "mean_rel ratio* [[]mean[]]"))
 
+# NOTE: H200, bf16 8192 x 8192 (results/gpu_2026-12-04, kernel_breakdown run 2): the
+# forward's one-row tile (three row sums) took 94.6 µs at 8 warps, 32 values a thread,
+# against 110.8 at 16; rms_norm's (one sum) was faster at 16 (75.2 against 79.9).
+ONE_ROW_VALUES_PER_THREAD = 32
+
 LAYER_NORM = OpDef(
     name="layer_norm", doc="(x - mean) * rstd * weight + bias over the trailing dims; float32 "
                            "mean and rstd, stable variance.",
@@ -304,7 +309,8 @@ LAYER_NORM = OpDef(
     outputs=(OutputArg("y"), OutputArg("mean", differentiable=False),
              OutputArg("rstd", differentiable=False)),
     attrs=(NORMALIZED_SHAPE, EPS), infer_shape=_forward_shapes, infer_dtype=_forward_dtypes,
-    check=_check("layer_norm", 0), cost=_cost(1), tiling=norm.tiling(_geometry, 1),
+    check=_check("layer_norm", 0), cost=_cost(1),
+    tiling=norm.tiling(_geometry, 1, one_row=ONE_ROW_VALUES_PER_THREAD),
     grid=norm.grid(_geometry), samples=_samples, autocast=AutocastPolicy.FP32,
     error_scale=_error_scale,
     precision=PrecisionSpec("benchmark_ratio", "L2", _torch_layer_norm, sweep=_sweep,

@@ -52,10 +52,12 @@ from opforge.core.tiling import (
     INT32_LIMIT,
     MAX_PROGRAMS,
     PROGRAMS_PER_CORE,
+    VALUES_PER_THREAD,
     cdiv,
     gpu_warps,
     launch_options,
     next_power_of_2,
+    one_row_values_per_thread,
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input, same_dtype, same_shape_pair
@@ -140,10 +142,11 @@ def _kernel_costs(op: str, reads: int, backward: bool) -> Callable[..., dict[str
     return costs
 
 
-def _tiling(op: str, streams: int) -> Callable[..., object]:
+def _tiling(op: str, streams: int, one_row: int | None = None) -> Callable[..., object]:
     """Candidates: the rows variant when a row fits on chip, else the split variant.
     ``streams``: tensors a program holds per element (inputs read plus the float32
-    working copy)."""
+    working copy); ``one_row``: values a thread of a one-row tile
+    (`tiling.one_row_values_per_thread`)."""
     def tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
                ) -> list[Tiling]:
         x = inputs[0]
@@ -154,7 +157,10 @@ def _tiling(op: str, streams: int) -> Callable[..., object]:
         block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block_n))
         candidates = [Tiling("rows", {"BLOCK_M": block_m, "BLOCK_N": block_n},
                              block_m * block_n * per_element, double_buffered=False,
-                             options={"warps": gpu_warps(block_m * block_n, hardware)})]
+                             options={"warps": gpu_warps(
+                                 block_m * block_n, hardware,
+                                 one_row_values_per_thread(block_m, block_n,
+                                                           VALUES_PER_THREAD, one_row))})]
         block = min(SPLIT_BLOCK, hardware.max_tile_elements, block_n)
         while block >= 16:
             chunks = cdiv(cols, block)
@@ -331,6 +337,12 @@ def _forward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Ten
         inplace_out=True)
 
 
+# NOTE: H200, bf16 8192 x 8192 (results/gpu_2026-12-04, kernel_breakdown run 2): the
+# backward's one-row tile took 94.8 µs at 8 warps, 32 values a thread, against 104.7 at
+# 16; the forward's was faster at 16 (79.6 against 82.1).
+BACKWARD_ONE_ROW_VALUES_PER_THREAD = 32
+
+
 def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Tensor],
                     samples: Callable[..., list[Case]]) -> OpDef:
     return OpDef(
@@ -338,7 +350,8 @@ def _backward_opdef(name: str, log: bool, doc: str, peer: Callable[..., torch.Te
         outputs=(OutputArg("grad_x"),), attrs=(DIM,), infer_shape=_infer_shape,
         infer_dtype=same_dtype,
         check=_check(name, paired=True),
-        cost=_cost(int(log), 2), tiling=_tiling(name, 2), grid=_grid(name),
+        cost=_cost(int(log), 2),
+        tiling=_tiling(name, 2, one_row=BACKWARD_ONE_ROW_VALUES_PER_THREAD), grid=_grid(name),
         workspace=_workspace(name, 1), kernel_costs=_kernel_costs(name, 2, backward=True),
         samples=samples, error_scale=_gradient_scale(log),
         precision=PrecisionSpec("benchmark_ratio", "L0", peer, sweep=_backward_sweep(log),
