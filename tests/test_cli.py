@@ -106,6 +106,23 @@ def test_compile_check_builds_every_kernel_variant_for_sm90():
     assert "WIDE=True" in done.stdout and " 0 failed" in done.stdout
 
 
+def test_compile_check_at_given_sizes_compiles_the_calls_and_their_backward():
+    """--shapes compiles the kernels opforge bench's calls launch at those sizes and the
+    gradient operators' their backward makes (a model's hidden width, not the samples'),
+    and reports the variants that spill registers even under --quiet."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "opforge", "compile-check", "rms_norm",
+                           "--shapes", "64x16384", "--dtype", "bfloat16"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rms_norm_backward" in done.stdout and "BLOCK_N=16384" in done.stdout
+    assert "norm_backward_kernel" in done.stdout and "norm_forward_kernel" in done.stdout
+    summary = done.stdout.strip().splitlines()[-1]
+    assert summary.endswith("of them spill registers to the stack), 0 failed"), summary
+    spilled = int(summary.split("(")[1].split()[0])
+    assert done.stdout.count("│ spills") == spilled  # the status of each such row
+
+
 _SPECIALISATION_PROBE = """
 import torch, opforge
 from opforge.aot import record_variants

@@ -98,6 +98,12 @@ class CompileResult:
     shared_bytes: int | None = None  # what a launch asks for (Triton allocates it dynamically)
     error: str = ""
 
+    @property
+    def spills(self) -> bool:
+        """Whether the compiled kernel keeps values on its stack (registers ran out: each
+        spilled value is a local-memory load and store)."""
+        return bool(self.stack_bytes)
+
 
 def _specialization(value: Any, param: Any) -> tuple[str, list[list[Any]]]:
     """(type, attributes) of one argument as Triton's JIT specialises it at a launch:
@@ -218,21 +224,26 @@ def _every_candidate() -> Iterator[None]:
 
 def record_variants(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
                     hardware: HardwareProfile, candidates: bool = False,
-                    capability: int | None = None) -> list[KernelVariant]:
+                    capability: int | None = None,
+                    shapes: Sequence[tuple[int, ...]] | None = None) -> list[KernelVariant]:
     """Run the operators' samples on the triton backend, tiled for ``hardware``, with
     kernel launches recorded instead of executed; return the distinct variants, in
     first-launch order (and the int64-offset twin of each). With ``candidates``, every
     tiling candidate autotuning could time is launched (recorded), not only the first
     that fits. With a compute ``capability`` (``90``), launches are those a GPU of that
-    target makes (tensor-descriptor variants from 90 on).
+    target makes (tensor-descriptor variants from 90 on). With ``shapes``, the calls are
+    ``opforge bench``'s at those sizes and the gradient operators' calls their backward
+    makes (`opforge.profiler.traffic.bench_cases`), instead of the samples: the variants
+    a model of those widths launches.
 
     Raises:
         RuntimeError: the kernels are interpreted (``TRITON_INTERPRET`` is set).
     """
+    calls = _samples(ops, dtypes) if shapes is None else _sized_calls(ops, dtypes, shapes)
     with recorded_launches(hardware) as recorder, \
             _every_candidate() if candidates else contextlib.nullcontext(), \
             judged_as_cuda(capability) if capability else contextlib.nullcontext():
-        for op, case in _samples(ops, dtypes):
+        for op, case in calls:
             recorder.label = op.name
             plan(op, *case.inputs, **case.attrs).run(*case.inputs)
     recorded = list(recorder.variants.values())
@@ -250,6 +261,22 @@ def _samples(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype]) -> Iterator[tu
                 generator = torch.Generator().manual_seed(0)
                 for case in op.samples(dtype, torch.device("cpu"), generator):
                     yield op, case
+
+
+def _sized_calls(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
+                 shapes: Sequence[tuple[int, ...]]) -> list[tuple[OpDef, Any]]:
+    """Each operator's bench calls at those of ``shapes`` it takes, then the calls of the
+    gradient operators its backward makes there, in each of ``dtypes`` it takes. Built
+    before any launch is recorded: the gradient calls run on the torch backend."""
+    from opforge.profiler.traffic import bench_cases, gradient_calls
+
+    calls = []
+    for op in ops:
+        for dtype in dtypes:
+            if dtype in op.inputs[0].dtypes:
+                for case in bench_cases(op, dtype, shapes):
+                    calls += [(op, case), *gradient_calls(op, case)]
+    return calls
 
 
 def _wide_twin(variant: KernelVariant) -> KernelVariant:
@@ -444,12 +471,14 @@ def _describe_source(source: Any) -> str:
 
 
 def record_npu_launches(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
-                        hardware: HardwareProfile, target: Any
+                        hardware: HardwareProfile, target: Any,
+                        shapes: Sequence[tuple[int, ...]] | None = None
                         ) -> tuple[list[_NpuLaunch], list[Lowering]]:
-    """Run the operators' samples on the triton backend, tiled for ``hardware``, through
-    triton-ascend's launcher with a stand-in driver; capture what each launch would
-    compile instead of compiling it. Returns the distinct launches (in first-launch order)
-    and the samples whose launch was refused (``reached=""``).
+    """Run the operators' samples (or their calls at ``shapes``, as `record_variants`) on
+    the triton backend, tiled for ``hardware``, through triton-ascend's launcher with a
+    stand-in driver; capture what each launch would compile instead of compiling it.
+    Returns the distinct launches (in first-launch order) and the calls whose launch was
+    refused (``reached=""``).
 
     Raises:
         RuntimeError: triton-ascend is not the installed Triton, or the kernels are
@@ -475,6 +504,7 @@ def record_npu_launches(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
         raise _CapturedCompileError
 
     original_run = JITFunction.run
+    calls = _samples(ops, dtypes) if shapes is None else _sized_calls(ops, dtypes, shapes)
 
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -488,7 +518,7 @@ def record_npu_launches(ops: Iterable[OpDef], dtypes: Sequence[torch.dtype],
                 mock.patch.object(JITFunction, "run", run), \
                 mock.patch.object(backends, "_triton_refusal", lambda device: None), \
                 backends.use_backend("triton"), use_hardware(hardware):
-            for op, case in _samples(ops, dtypes):
+            for op, case in calls:
                 label[0] = op.name
                 try:
                     plan(op, *case.inputs, **case.attrs).run(*case.inputs)

@@ -299,37 +299,50 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
         target, hardware = parse_target(args.target)
     except ValueError as error:
         return _error(str(error))
+    if args.shapes:
+        skipped = [op.name for op in ops if op.bench is None or not any(
+            len(shape) == len(size) for shape in args.shapes
+            for size in (*op.bench.cpu_shapes, *op.bench.shapes))]
+        if skipped:
+            console.print(f"{', '.join(skipped)}: no bench sizes of the form of "
+                          f"{', '.join('x'.join(map(str, s)) for s in args.shapes)}: skipped "
+                          "(a gradient operator is checked with its forward's: name the "
+                          "forward)")
     if target.backend == "npu":
-        return _lower_for_npu(ops, dtypes, target, hardware, args.target, args.quiet)
+        return _lower_for_npu(ops, dtypes, target, hardware, args.target, args.quiet,
+                              args.shapes)
     results = compile_variants(record_variants(ops, dtypes, hardware, args.candidates,
-                                               target.arch), target)
+                                               target.arch, args.shapes), target)
     table = Table(title=f"opforge compile-check for {args.target}, tiled for {hardware.name} "
                         "(no device needed)")
     for column in ("kernel", "variant", "operators", "status", "s", "regs", "stack B",
                    "shared B"):
         table.add_column(column)
     for r in results:
-        if args.quiet and r.ok:
+        if args.quiet and r.ok and not r.spills:
             continue
-        status = "[green]ok[/]" if r.ok else f"[red]FAIL[/] {r.error}"
+        status = f"[red]FAIL[/] {r.error}" if not r.ok else \
+            "[yellow]spills[/]" if r.spills else "[green]ok[/]"
         table.add_row(r.variant.name, r.variant.describe(), ", ".join(sorted(r.variant.ops)),
                       status, f"{r.seconds:.2f}", *(str(v) if v is not None else "-"
                                                     for v in (r.registers, r.stack_bytes,
                                                               r.shared_bytes)))
     console.print(table)
     failed = sum(not r.ok for r in results)
-    console.print(f"{len(results) - failed} passed, {failed} failed")
+    spilled = sum(r.ok and r.spills for r in results)
+    console.print(f"{len(results) - failed} passed ({spilled} of them spill registers to "
+                  f"the stack), {failed} failed")
     return 1 if failed else 0
 
 
 def _lower_for_npu(ops: Sequence[Any], dtypes: Sequence[Any], target: Any, hardware: Any,
-                   name: str, quiet: bool) -> int:
+                   name: str, quiet: bool, shapes: Sequence[tuple[int, ...]] | None) -> int:
     """compile-check for an Ascend target: each launch through triton-ascend's launcher,
     then lowered as far as this machine can (see `opforge.aot`)."""
     from opforge.aot import lower_npu_launches, record_npu_launches
 
     try:
-        launches, refused = record_npu_launches(ops, dtypes, hardware, target)
+        launches, refused = record_npu_launches(ops, dtypes, hardware, target, shapes)
     except RuntimeError as error:
         return _error(str(error))
     results = [*refused, *lower_npu_launches(launches, target)]
@@ -867,8 +880,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "first that fits")
     check.add_argument("--dtype", action="append",
                        choices=["float32", "float16", "bfloat16"])
+    check.add_argument("--shapes", default=None, type=_shapes,
+                       help="compile the kernels opforge bench's calls launch at these sizes "
+                            "(and their backward's), e.g. 4096x16384, instead of the "
+                            "samples'")
     check.add_argument("--quiet", action="store_true",
-                       help="list only the variants that failed, then the totals")
+                       help="list only the variants that failed or spill, then the totals")
     compare = sub.add_parser("compare", help="find where two dumped runs diverge")
     compare.add_argument("run_a", help="reference run: an opforge dump (precision.dump) or "
                                        "an msprobe dump (its dump_path or a step folder)")
