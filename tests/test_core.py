@@ -500,6 +500,26 @@ def test_one_row_tiles_take_32_values_a_thread_where_a_kernel_asks_up_to_8_warps
     assert warps("layer_norm", 64, 16384, normalized_shape=[16384]) == 32
 
 
+def test_norm_backward_runs_one_program_a_core_where_one_fills_the_registers():
+    """The norms' backward programs own float32 partials: two a core where both fit on an
+    SM (8 warps at 4096 columns), one where a program of 16 warps fills its registers
+    (8192 columns): a second would only run after the first, with twice the partials."""
+    cores = get_profile("h200").core_count
+    for op, cols, programs in (("rms_norm_backward", 8192, cores),
+                               ("rms_norm_backward", 4096, 2 * cores),
+                               ("layer_norm_backward", 8192, cores)):
+        x = torch.empty(4 * cores, cols, dtype=torch.bfloat16)
+        stat = torch.empty(4 * cores, dtype=torch.float32)
+        inputs = (x, x, stat, x[0]) if op == "rms_norm_backward" else \
+            (x, x, stat, stat, x[0], x[0])
+        attrs = {} if op == "rms_norm_backward" else {"normalized_shape": [cols]}
+        with opforge.use_hardware("h200"), opforge.use_backend("triton"):
+            planned = opforge.plan(op, *inputs, **attrs)
+        assert planned.grid == (programs,), (op, cols, planned.tiling)
+        assert planned.workspace_bytes == 4 * programs * cols * (
+            1 if op == "rms_norm_backward" else 2), op
+
+
 def test_work_splits_fill_idle_cores_with_slices_of_at_least_min_steps():
     """work_splits is 1 on the CPU and once the programs fill busy_share of the cores;
     otherwise enough slices for two programs a core, each at least min_steps steps."""

@@ -99,17 +99,29 @@ def tiling(geometry: Geometry, streams: int, one_row: int | None = None
 
 # Backward programs per core: each program owns a row of float32 weight/bias partials (the
 # workspace, then read again by the final sum), so fewer programs move fewer bytes; two a
-# core still overlap one program's loads with the other's arithmetic.
+# core overlap one program's loads with the other's arithmetic where both fit on the SM.
 BACKWARD_PROGRAMS_PER_CORE = 2
+# Warps from which one backward program fills an SM's registers: at 16 values a thread
+# it keeps four row streams (gradient, x, weight, partials) live, over 64 registers a
+# thread (rms_norm_backward 112, layer_norm_backward 124 at sm_90, 8192 columns), and 16
+# warps of that take more than half of the 65536; a second program a core would only run
+# after the first, with twice the partials to write and sum.
+BACKWARD_FULL_SM_WARPS = 16
 
 
-def grid(geometry: Geometry, per_core: int | None = None
-         ) -> Callable[..., tuple[int, ...]]:
-    """A persistent grid over row blocks, ``per_core`` programs per core at most (the
-    shared count, `tiling.persistent_grid`'s, when ``None``)."""
+def grid(geometry: Geometry, backward: bool = False) -> Callable[..., tuple[int, ...]]:
+    """A persistent grid over row blocks: the shared count of programs a core
+    (`tiling.persistent_grid`'s) for a forward; for a ``backward``,
+    `BACKWARD_PROGRAMS_PER_CORE`, or one where a program of its warps fills the SM's
+    registers (`BACKWARD_FULL_SM_WARPS`)."""
     def choose(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
                hardware: HardwareProfile) -> tuple[int, ...]:
         rows, _ = geometry(inputs, attrs)
+        per_core = None
+        if backward:
+            warps = tiling.options.get("warps")
+            per_core = 1 if warps is not None and warps >= BACKWARD_FULL_SM_WARPS \
+                else BACKWARD_PROGRAMS_PER_CORE
         return (persistent_grid(cdiv(rows, tiling.blocks["BLOCK_M"]), hardware, per_core),)
     return choose
 

@@ -331,7 +331,7 @@ LAYER_NORM_BACKWARD = OpDef(
     attrs=(NORMALIZED_SHAPE, EPS, RECENTRE), infer_shape=_backward_shapes,
     infer_dtype=_backward_dtypes, check=_check("layer_norm_backward", 1), cost=_cost(2),
     tiling=norm.tiling(_backward_geometry, 2),
-    grid=norm.grid(_backward_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
+    grid=norm.grid(_backward_geometry, backward=True),
     workspace=norm.backward_workspace(_backward_geometry, _partial_sets),
     kernel_costs=norm.backward_kernel_costs(_backward_geometry, _partial_sets, _cost(2)),
     samples=_backward_samples, error_scale=_error_scale,

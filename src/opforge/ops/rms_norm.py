@@ -295,7 +295,7 @@ RMS_NORM_BACKWARD = OpDef(
     outputs=(OutputArg("grad_x"), OutputArg("grad_weight")), attrs=(EPS,),
     infer_shape=_backward_shapes, infer_dtype=_backward_dtypes,
     check=_check("rms_norm_backward", ("x",), statistics=True), cost=_cost(2, 1),
-    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry, norm.BACKWARD_PROGRAMS_PER_CORE),
+    tiling=norm.tiling(_geometry, 2), grid=norm.grid(_geometry, backward=True),
     workspace=norm.backward_workspace(_geometry, _partial_sets),
     kernel_costs=norm.backward_kernel_costs(_geometry, _partial_sets, _cost(2, 1)),
     samples=_backward_samples, error_scale=_norm_scale,
