@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run test lint verify bench certificate study clean portability ascend-check \
-	test-triton32 test-notriton msprobe-fixtures gpu-wheels
+	test-triton32 test-notriton test-torch211 msprobe-fixtures gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,19 +38,24 @@ bench: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python benchmarks/replay.py
 
 # ---------------------------------------------------------------------------------------
-# The other configurations CI checks after `make test` (`make portability`, ~20 min on 2
+# The other configurations CI checks after `make test` (`make portability`, ~35 min on 2
 # cores): each in its own virtual environment, built from its constraints file.
 ASCEND := .venv-ascend
 TRITON32 := .venv-triton32
 NOTRITON := .venv-notriton
 
+# The rule of environment $(1): pip and $(3) installed under the pins of $(2).
+define environment
+$(1)/.installed: pyproject.toml $(2)
+	rm -rf $(1) && $$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c $(2) $(3)
+	touch $$@
+endef
+
 # Every kernel variant lowered for an Ascend 910B by triton-ascend (no NPU, no CANN
 # needed: with CANN installed the binary stage runs too).
-$(ASCEND)/.installed: pyproject.toml constraints-ascend.txt
-	rm -rf $(ASCEND) && $(PYTHON) -m venv $(ASCEND)
-	$(ASCEND)/bin/python -m pip install --quiet --upgrade pip
-	$(ASCEND)/bin/python -m pip install --quiet -c constraints-ascend.txt -e . triton-ascend pybind11
-	touch $@
+$(eval $(call environment,$(ASCEND),constraints-ascend.txt,-e . triton-ascend pybind11))
 
 ascend-check: $(ASCEND)/.installed
 	$(ASCEND)/bin/opforge compile-check --target ascend910b --quiet
@@ -60,11 +65,8 @@ ascend-check: $(ASCEND)/.installed
 # sm_90 with its compiler. The whole suite passes there too (about 14 minutes).
 TRITON32_TESTS ?= tests/test_ops.py tests/test_layouts.py tests/test_call_path.py \
 	tests/test_traffic.py
-$(TRITON32)/.installed: pyproject.toml constraints-triton32.txt
-	rm -rf $(TRITON32) && $(PYTHON) -m venv $(TRITON32)
-	$(TRITON32)/bin/python -m pip install --quiet --upgrade pip
-	$(TRITON32)/bin/python -m pip install --quiet -c constraints-triton32.txt -e ".[triton,dev]"
-	touch $@
+TRITON32_PACKAGES := -e ".[triton,dev]"
+$(eval $(call environment,$(TRITON32),constraints-triton32.txt,$(TRITON32_PACKAGES)))
 
 test-triton32: $(TRITON32)/.installed
 	HYPOTHESIS_PROFILE=ci $(TRITON32)/bin/python -m pytest -n 2 -q $(TRITON32_TESTS)
@@ -72,17 +74,23 @@ test-triton32: $(TRITON32)/.installed
 
 # No Triton at all (opforge without the triton extra): the torch backend's tests, and
 # `opforge verify` on it.
-$(NOTRITON)/.installed: pyproject.toml constraints.txt
-	rm -rf $(NOTRITON) && $(PYTHON) -m venv $(NOTRITON)
-	$(NOTRITON)/bin/python -m pip install --quiet --upgrade pip
-	$(NOTRITON)/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
-	touch $@
+$(eval $(call environment,$(NOTRITON),constraints.txt,-e ".[dev]"))
 
 test-notriton: $(NOTRITON)/.installed
 	HYPOTHESIS_PROFILE=ci $(NOTRITON)/bin/python -m pytest -n 2 -q
 	$(NOTRITON)/bin/opforge verify --cases samples --quiet
 
-portability: ascend-check test-triton32 test-notriton
+# The oldest torch pyproject.toml admits (2.11, the GPU machine's, with its Triton 3.6):
+# the whole suite under 3.6's interpreter. PyPI's torch 2.11 is a CUDA build: about 5 GB
+# installed, its CUDA libraries unused here.
+TORCH211 := .venv-torch211
+TORCH211_PACKAGES := -e ".[triton,dev,transformers]"
+$(eval $(call environment,$(TORCH211),constraints-torch211.txt,$(TORCH211_PACKAGES)))
+
+test-torch211: $(TORCH211)/.installed
+	HYPOTHESIS_PROFILE=ci $(TORCH211)/bin/python -m pytest -n 2 -q
+
+portability: ascend-check test-triton32 test-notriton test-torch211
 
 # The msprobe dumps tests/test_msprobe.py reads, written by MindStudio Probe itself in its
 # own environment (committed; not part of CI). The environment also runs
@@ -111,4 +119,4 @@ gpu-wheels:
 		safetensors==0.8.0
 
 clean:
-	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) $(MSPROBE) reports .pytest_cache
+	rm -rf $(VENV) $(ASCEND) $(TRITON32) $(NOTRITON) $(TORCH211) $(MSPROBE) reports .pytest_cache

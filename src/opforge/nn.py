@@ -163,9 +163,8 @@ class LayerNorm(torch.nn.Module):
         return functional.layer_norm(x, self.normalized_shape, self.weight, self.bias,
                                      self.eps)
 
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+    # torch's own text, which changed between releases (2.13 added the bias).
+    extra_repr = torch.nn.LayerNorm.extra_repr
 
 
 class Linear(torch.nn.Module):
