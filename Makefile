@@ -38,7 +38,7 @@ bench: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python benchmarks/replay.py
 
 # ---------------------------------------------------------------------------------------
-# The other configurations CI checks after `make test` (`make portability`, ~35 min on 2
+# The other configurations CI checks after `make test` (`make portability`, ~25 min on 2
 # cores): each in its own virtual environment, built from its constraints file.
 ASCEND := .venv-ascend
 TRITON32 := .venv-triton32
