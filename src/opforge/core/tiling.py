@@ -109,15 +109,20 @@ def wide_offsets(*tensors: Any) -> bool:
     return False
 
 
+# Warps a one-row tile may take at a kernel's larger values a thread: a thread holds
+# 65536 / threads registers, 255 at 8 warps but 128 at 16.
+ONE_ROW_MAX_WARPS = 8
+
+
 def one_row_values_per_thread(block_m: int, block_n: int, values_per_thread: int,
                               one_row: int | None) -> int:
     """`gpu_warps`' values a thread for a tile of ``block_m`` rows of ``block_n``:
     ``one_row`` for a tile of one row where a kernel asks for it and it leaves the
-    program at most 8 warps, else ``values_per_thread``. A thread may hold 65536 / threads
-    registers: 255 at 8 warps, 128 at 16, where layer_norm's forward at 32 values a
-    thread spills (float32, 16384 columns, sm_90); several rows at 32 values a thread
-    spill too (4 x 1024 tiles of layer_norm's forward and softmax's backward)."""
-    if one_row is None or block_m != 1 or block_n // (32 * one_row) > 8:
+    program at most `ONE_ROW_MAX_WARPS` warps, else ``values_per_thread``: past that
+    register cap a row kernel keeping a few row streams at 32 values a thread spills;
+    tiles of several rows keep the default (the asking kernels' NOTEs give the cases
+    measured)."""
+    if one_row is None or block_m != 1 or block_n // (32 * one_row) > ONE_ROW_MAX_WARPS:
         return values_per_thread
     return one_row
 

@@ -188,7 +188,7 @@ def _tiling(backward: bool) -> object:
             # NOTE: H200, bf16 8192 x 8192 (results/gpu_2026-12-04, kernel_breakdown run 2):
             # 8 warps, 32 values a thread, 55 µs against 16 warps' 71; no variant spills
             # at sm_90 (compile-check). layer_norm's forward and softmax's backward, also
-            # faster at 8 warps there, spill on 4 x 1024 tiles at 32 values a thread.
+            # faster at 8 warps there, take 32 values a thread in one-row tiles only.
             return rows_then_looped(rows, classes, per_element, hardware,
                                     values_per_thread=32)
         candidates = []

@@ -298,7 +298,9 @@ CANCELLING_MEAN = KnownLimitation(
 
 # NOTE: H200, bf16 8192 x 8192 (results/gpu_2026-12-04, kernel_breakdown run 2): the
 # forward's one-row tile (three row sums) took 94.6 µs at 8 warps, 32 values a thread,
-# against 110.8 at 16; rms_norm's (one sum) was faster at 16 (75.2 against 79.9).
+# against 110.8 at 16; rms_norm's (one sum) was faster at 16 (75.2 against 79.9). Tiles
+# of several rows (unmeasured) and one-row tiles past 8 warps keep 16: at 16 warps, 32
+# values a thread spill at sm_90 (8 B, float32, 16384 columns).
 ONE_ROW_VALUES_PER_THREAD = 32
 
 LAYER_NORM = OpDef(
