@@ -657,3 +657,30 @@ def test_stacks_name_the_caller_without_machine_paths_unless_asked(tmp_path):
     entries, _, _ = _gated_step(tmp_path / "b", stacks=True, absolute_paths=True)
     assert any(frame.startswith(str(Path(__file__).resolve().parent))
                for frame in entries["0#0.forward.input.0"]["stack"])
+
+
+_CALLER = """
+import torch
+from opforge.precision import dump
+
+
+def train(model, path):
+    with dump(model, path, mode="statistics", stacks=True) as dumper:
+        model(torch.randn(3, 6)).sum().backward()
+        dumper.step()
+"""
+
+
+def test_stacks_keep_a_caller_in_a_folder_named_like_a_library(tmp_path):
+    """A user's project folder named opforge (or torch) is not the library's: the caller's
+    frames stay in the stack."""
+    import runpy
+
+    script = tmp_path / "opforge" / "train.py"
+    script.parent.mkdir()
+    script.write_text(_CALLER)
+    runpy.run_path(str(script))["train"](torch.nn.Sequential(_Gated()), tmp_path / "dump")
+    entries = {e["key"]: e for e in read_step(step_folders(tmp_path / "dump")[0])
+               .manifest["entries"]}
+    assert any(frame.startswith("train.py:") and frame.endswith(" train")
+               for frame in entries["0#0.forward.input.0"]["stack"])

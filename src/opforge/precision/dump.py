@@ -133,6 +133,12 @@ class _ApiCalls(TorchFunctionMode):
         return result
 
 
+# Frames inside torch's and opforge's own packages are not the caller's: compared by the
+# packages' folders, since a user's project folder may itself be named torch or opforge.
+_LIBRARY_FOLDERS = tuple(os.path.realpath(folder) + os.sep for folder in (
+    os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))))
+
+
 class Dump(Pausable):
     """Context manager that records a model's tensors step by step (see the module
     docstring). Use `dump` to create one.
@@ -239,7 +245,7 @@ class Dump(Pausable):
 
     def _stack(self) -> list[str]:
         frames = [f for f in traceback.extract_stack()[:-3]
-                  if not re.search(r"[/\\](torch|opforge)[/\\]", f.filename)]
+                  if not os.path.realpath(f.filename).startswith(_LIBRARY_FOLDERS)]
         return [f"{f.filename if self.absolute_paths else Path(f.filename).name}:{f.lineno} "
                 f"{f.name}" for f in frames]
 
