@@ -413,3 +413,57 @@ def test_meta_tensors_traces_and_negative_views_take_the_dispatcher():
     negative = torch._neg_view(x)
     with opforge.use_backend("triton"):
         torch.testing.assert_close(opforge.softmax(negative), torch.softmax(-x, -1))
+
+
+def test_repeated_runs_with_out_check_again_what_changed_in_place(backend):
+    """From the third `run` on the same tensor objects the checks of their metadata are
+    skipped while nothing those checks read has changed: a tensor changed in place since
+    (resized, given another dtype) gets its typed error, and the operator's value checks
+    run on every call."""
+    x = torch.randn(6, 40, device=DEVICE)
+    target = torch.randint(0, 40, (6,), device=DEVICE)
+    plan = opforge.plan("cross_entropy", x, target, reduction="none")
+    outs = [torch.empty(spec.shape, dtype=spec.dtype, device=DEVICE) for spec in plan.outputs]
+    case = Case("none", (x, target), {"reduction": "none"})
+    for _ in range(3):
+        assert_golden(plan.op, case, plan.run(x, target, out=outs))
+    target[2] = 40
+    with pytest.raises(opforge.IndexRangeError):
+        plan.run(x, target, out=outs)
+    target[2] = 39
+    outs[0].resize_(7)
+    with pytest.raises(opforge.ShapeError):
+        plan.run(x, target, out=outs)
+    outs[0].resize_(6)
+    logits = x.data
+    x.data = logits.double()
+    with pytest.raises(opforge.DtypeError):
+        plan.run(x, target, out=outs)
+    x.data = logits
+    assert_golden(plan.op, Case("none", (x, target), {"reduction": "none"}),
+                  plan.run(x, target, out=outs))
+
+
+def test_repeated_runs_into_an_out_overlapping_the_input_go_through_a_buffer(backend):
+    """An out that overlaps its input one element further on is written through a fresh
+    buffer on every call, the repeated ones included (a direct launch would read elements
+    another program has already overwritten); so is an out moved onto such memory
+    (``set_``) after calls that wrote it directly."""
+    size = 1 << 14
+    memory = torch.randn(size + 1, device=DEVICE)
+    x = memory[:size]
+    shifted = memory[1:]
+    plan = opforge.plan("gelu", x)
+    for _ in range(3):
+        before = x.clone()
+        plan.run(x, out=shifted)
+        assert_golden(plan.op, Case("shifted", (before,), {}), shifted)
+    out = torch.empty(size, device=DEVICE)
+    other = torch.randn(size + 1, device=DEVICE)
+    source = other[:size]
+    for _ in range(3):
+        plan.run(source, out=out)
+    out.set_(other.untyped_storage(), 1, (size,), (1,))
+    before = source.clone()
+    plan.run(source, out=out)
+    assert_golden(plan.op, Case("moved", (before,), {}), out)

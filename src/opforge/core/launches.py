@@ -291,13 +291,7 @@ class HeldLaunches:
             self.launcher(plan, inputs, outputs, workspace)
             return
         slots = (*inputs, *outputs, workspace)
-        layout: list[Any] = []  # flat: each slot's strides and alignment, or None
-        for tensor in slots:
-            if tensor is None:
-                layout.append(None)
-            else:
-                layout += (tensor.stride(), tensor.data_ptr() % 16)
-        key = tuple(layout)
+        key = _layout(slots)
         held = self.layouts.get(key, _MISSING)
         if held is _MISSING:
             # Empty tensors (torch gives each the address 0) hold nothing to confuse.
@@ -320,3 +314,33 @@ class HeldLaunches:
             return
         for launch in held:
             launch.run(slots)
+
+    def held_for(self, slots: Sequence[torch.Tensor | None]) -> list[_Launch] | None:
+        """The launches held for the layout of ``slots`` (inputs, outputs, workspace), for
+        a caller that replays them on tensors of that very layout (`replay`); ``None``
+        where that layout runs the launcher or has not been seen."""
+        held = self.layouts.get(_layout(slots))
+        return held if isinstance(held, list) else None
+
+
+def replay(launches: Sequence[_Launch], slots: Sequence[torch.Tensor | None]) -> bool:
+    """Make ``launches`` (`HeldLaunches.held_for` of this layout) on ``slots``; ``False``
+    without a launch inside another launcher's recording pass, whose recorder must see
+    the launcher run."""
+    if getattr(_recorder, "active", False):
+        return False
+    for launch in launches:
+        launch.run(slots)
+    return True
+
+
+def _layout(slots: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    """What a held launch depends on in its tensors: each slot's strides and alignment (flat,
+    ``None`` for an absent slot)."""
+    layout: list[Any] = []
+    for tensor in slots:
+        if tensor is None:
+            layout.append(None)
+        else:
+            layout += (tensor.stride(), tensor.data_ptr() % 16)
+    return tuple(layout)

@@ -30,7 +30,7 @@ from opforge.core.errors import (
     UnsupportedError,
 )
 from opforge.core.hardware import HardwareProfile, hardware_setting, profile_for
-from opforge.core.launches import HeldLaunches
+from opforge.core.launches import HeldLaunches, replay
 from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
 from opforge.core.shapes import contiguous_strides
 from opforge.core.workspace import WorkspacePool
@@ -143,8 +143,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("_allocations", "_direct", "_empty", "_launcher", "_mutated", "_output_bytes",
-                 "_steps",
+    __slots__ = ("_allocations", "_checked", "_direct", "_empty", "_held", "_launcher", "_mutated",
+                 "_output_bytes", "_seen", "_steps",
                  "attrs", "backend", "cost", "grid", "hardware", "inputs", "op", "outputs",
                  "tiling", "workspace_bytes")
 
@@ -169,6 +169,7 @@ class Plan:
         # What `run_planned` does per call, decided once: the launch function, the
         # outputs' allocation arguments, and whether nothing else runs around them.
         self._direct = not self._mutated
+        self._held: HeldLaunches | None = None
         if backend == "torch" and "torch" not in op.launchers:
             self._launcher = run_reference
         else:
@@ -176,9 +177,14 @@ class Plan:
             holds = op.held_launches
             if self._direct and backend != "torch" and (
                     holds(self.attrs) if callable(holds) else holds):
-                self._launcher = HeldLaunches(self._launcher)
+                self._launcher = self._held = HeldLaunches(self._launcher)
             if backends.interpreter_enabled():
                 self._launcher = _locked(self._launcher)
+                self._held = None  # replays must take the interpreter's lock too
+        # `run` with ``out``: the last call's tensor identities, and the armed replay's
+        # identities, descriptions and held launches (`_remember`).
+        self._seen: tuple[int, ...] = ()
+        self._checked: tuple[tuple[int, ...], list[Any], list[Any] | None] | None = None
         self._output_bytes = tuple(spec.numel * spec.itemsize for spec in self.outputs)
         self._allocations = tuple((spec.shape, contiguous_strides(spec.shape), spec.dtype,
                                    spec.device) for spec in self.outputs)
@@ -345,8 +351,57 @@ class Plan:
             OpError: wrong number of inputs or outputs, an ``out`` or ``workspace`` that is
                 not a tensor, an ``out`` whose elements share memory (an expanded view), or
                 a workspace that is too small, misaligned or overlaps an input or output.
+
+        Calls with ``out`` on the same tensor objects (a decode loop's held buffers, every
+        input given, ``workspace`` given where the plan needs one) skip these checks from
+        the third call on, while each tensor's address, shape, strides, dtype and device,
+        all that the checks read, stay as they were: only the operator's value checks run
+        before the launches held for that layout (gelu at 8 x 256 on the CPU, launches
+        stubbed: 3.5 µs a call against 6.2 checked).
         """
-        return self._observed(self._check_inputs(tensors), out, workspace)
+        if out is None or _observer[0] is not None:
+            return self._observed(self._check_inputs(tensors), out, workspace)
+        outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        slots = (*tensors, *outs, workspace)
+        identities = tuple(map(id, slots))
+        checked = self._checked
+        if checked is not None and checked[0] == identities and \
+                _described(slots) == checked[1]:
+            if self.op.check_values is not None:
+                self.op.check_values(self, tensors)
+            if checked[2] is None or not replay(checked[2], slots):
+                self._launcher(self, tensors, outs, workspace)
+            return outs[0] if len(outs) == 1 else outs
+        results = self._observed(self._check_inputs(tensors), out, workspace)
+        if identities == self._seen:
+            self._remember(identities, tensors, outs, workspace)
+        self._seen = identities
+        return results
+
+    def _remember(self, identities: tuple[int, ...], tensors: Sequence[torch.Tensor | None],
+                  outs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
+        """After the second checked `run` in a row with ``out`` on the same tensor objects:
+        arm the replay of later ones (`run`) when its launches take its tensors as given:
+        every input, outputs written in place (none through a buffer: an ``out`` that
+        overlaps an input, or strided where the kernels write contiguous rows), a
+        workspace that is exactly the plan's flat bytes (or none where the plan needs
+        none)."""
+        if not self._direct or self._empty or len(tensors) != len(self.inputs):
+            return
+        if workspace is None:
+            if self.workspace_bytes:  # taken from the pool on each call
+                return
+        elif workspace.dtype is not torch.uint8 or workspace.dim() != 1 or \
+                workspace.numel() != self.workspace_bytes:  # the launcher got a view of it
+            return
+        targets, _ = self._outputs(outs, tensors)
+        if any(target is not given for target, given in zip(targets, outs)):
+            return
+        slots = (*tensors, *outs, workspace)
+        described = _described(slots)
+        if described:
+            launches = self._held.held_for(slots) if self._held is not None else None
+            self._checked = (identities, described, launches)
 
     def run_planned(self, tensors: Sequence[torch.Tensor | None]) -> Any:
         """`run` into fresh outputs without the input checks, for a caller that got this
@@ -442,6 +497,23 @@ class Plan:
                               expected="scratch memory of its own",
                               got=f"bytes {start}..{end} overlap {other_start}..{other_end}")
         return scratch
+
+
+def _described(tensors: Sequence[Any]) -> list[Any]:
+    """What `Plan.run`'s checks read of ``tensors``: each one's address, strides, shape,
+    dtype and device (flat, ``None`` for an absent one; ``[]`` when an object is not a
+    strided tensor, which the checks then report)."""
+    described: list[Any] = []
+    try:
+        for tensor in tensors:
+            if tensor is None:
+                described.append(None)
+            else:
+                described += (tensor.data_ptr(), tensor.stride(), tensor.shape, tensor.dtype,
+                              tensor.device)
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return []
+    return described
 
 
 def _locked(launcher: Callable[..., None]) -> Callable[..., None]:
