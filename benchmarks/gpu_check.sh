@@ -21,6 +21,8 @@
 #                  (4 layers of Llama-3-8B's shapes, bf16, 2 x 4096 tokens) unpatched,
 #                  opforge-patched (with its attention, and with transformers' SDPA) and
 #                  Liger-patched (needs transformers from .wheels/)
+#   cache_hints    benchmarks/cache_hints.py: a copy and a one-row softmax with each load and
+#                  store cache hint (~10 s)
 #   kernel_breakdown  benchmarks/kernel_breakdown.py: each kernel's device time in one
 #                  forward + backward of every pair, per implementation
 #   gpu_bench_tuned  gpu_bench.py --autotune $TUNED_ARGS (default --targets: the speed
@@ -54,7 +56,7 @@
 # --skip-attention), kernel_breakdown.py (--warps 8,32) and opforge verify (--dtype bfloat16).
 # Each step's output goes to <step>.log and its exit status to status.txt. A failing step
 # does not stop the later ones; the script exits 1 if any step failed. Per-step limits
-# (seconds; override with CALL_PATH_TIMEOUT, BENCH_TIMEOUT, LINEAR_CE_TIMEOUT, HF_STEP_TIMEOUT,
+# (seconds; override with CALL_PATH_TIMEOUT, BENCH_TIMEOUT, LINEAR_CE_TIMEOUT, HF_STEP_TIMEOUT, HINTS_TIMEOUT,
 # BREAKDOWN_TIMEOUT, TUNED_TIMEOUT, STUDY_TIMEOUT, TESTS_TIMEOUT, VERIFY_TIMEOUT,
 # REPLAY_TIMEOUT, HOST_TIMEOUT, PROFILER_TESTS_TIMEOUT, PROFILE_TIMEOUT,
 # OPFORGE_BENCH_TIMEOUT, DEMO_TIMEOUT, TUNING_TIMEOUT, MATMUL_TUNING_TIMEOUT) keep each step bounded; the device's 10-minute call does
@@ -73,7 +75,7 @@ OUT=$FINAL/run
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 failed=0
-DEFAULT_STEPS="call_path gpu_bench linear_cross_entropy hf_step kernel_breakdown attention_precision tests verify replay host_overhead"
+DEFAULT_STEPS="call_path gpu_bench linear_cross_entropy hf_step cache_hints kernel_breakdown attention_precision tests verify replay host_overhead"
 STEPS=${STEPS:-"$DEFAULT_STEPS profiler_tests profile bench demo"}
 
 # wanted NAME: whether STEPS lists NAME.
@@ -141,6 +143,7 @@ step linear_cross_entropy "${LINEAR_CE_TIMEOUT:-150}" "$PYTHON" \
   benchmarks/linear_cross_entropy_memory.py --device cuda --out "$OUT"
 step hf_step "${HF_STEP_TIMEOUT:-240}" "$PYTHON" benchmarks/hf_training_step.py --device cuda \
   --out "$OUT"
+step cache_hints "${HINTS_TIMEOUT:-60}" "$PYTHON" benchmarks/cache_hints.py --out "$OUT"
 step kernel_breakdown "${BREAKDOWN_TIMEOUT:-150}" "$PYTHON" benchmarks/kernel_breakdown.py \
   --out "$OUT" ${BREAKDOWN_ARGS:-}
 if wanted gpu_bench_tuned; then mkdir -p "$OUT/tuned"; fi

@@ -72,3 +72,17 @@ def _rows(gpu_bench, device: torch.device) -> list:
     for case in gpu_bench.make_cases((6, 64), torch.bfloat16, device, generator):
         rows += gpu_bench.measure_case(case, None, 1.0, 1, 1)
     return rows
+
+
+def test_the_cache_hint_variants_run(tmp_path, monkeypatch):
+    """benchmarks/cache_hints.py on the CPU: every hint variant of both kernels compiles
+    for the interpreter and matches torch (its check), and the report is written."""
+    import cache_hints
+
+    monkeypatch.setattr(sys, "argv", ["cache_hints.py", "--device", "cpu", "--out",
+                                      str(tmp_path)])
+    cache_hints.main()
+    (report,) = tmp_path.glob("cache_hints_*.md")
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| copy")
+            or line.startswith("| softmax")]
+    assert len(rows) == 1 + 2 * len(cache_hints.HINTS)
