@@ -135,7 +135,9 @@ except metadata.PackageNotFoundError:
 cat "$OUT/env.txt"
 record env "$rc" "$start"
 
-step call_path "${CALL_PATH_TIMEOUT:-150}" "$PYTHON" -m pytest -q -p no:cacheprovider -n 4 \
+# -v: each test's outcome is logged as it ends (the 2026-12-04 run reached its limit with four
+# failures whose names only the final summary would have given).
+step call_path "${CALL_PATH_TIMEOUT:-300}" "$PYTHON" -m pytest -v -p no:cacheprovider -n 4 \
   -rfE tests/test_call_path.py tests/test_cross_entropy.py -k "not property"
 step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
   --sizes 8192x8192 ${BENCH_ARGS:-}
@@ -152,7 +154,7 @@ OPFORGE_AUTOTUNE_CACHE="$OUT/autotune.json" OPFORGE_AUTOTUNE_MAX=${OPFORGE_AUTOT
   --out "$OUT/tuned" --autotune ${TUNED_ARGS:---targets}
 step attention_precision "${STUDY_TIMEOUT:-80}" "$PYTHON" benchmarks/attention_precision.py \
   --device cuda --seq-lens 128,512,2048,8192,16384 --out "$OUT"
-step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 \
+step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -v -p no:cacheprovider -n 8 -rfE \
   tests/test_matmul.py tests/test_mla_prolog.py tests/test_rope.py tests/test_attention.py \
   tests/test_moe_gating.py tests/test_embedding_dense_grad.py tests/test_autotune.py \
   tests/test_monitor.py::test_a_model_split_over_devices_is_analysed -k "not property"
