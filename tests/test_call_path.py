@@ -11,14 +11,17 @@ import subprocess
 import sys
 import types
 import weakref
+from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opforge
+from opforge.core import plan as plan_module
 from opforge.core.hardware import get_profile
 from opforge.core.opdef import Case
+from opforge.core.plan import allocate
 
 from .conftest import DEVICE, assert_golden
 
@@ -444,6 +447,26 @@ def test_repeated_runs_with_out_check_again_what_changed_in_place(backend):
                   plan.run(x, target, out=outs))
 
 
+def test_repeated_runs_with_out_take_the_same_objects_in_the_same_roles(backend):
+    """The same tensor objects split otherwise between inputs and outs after the replay
+    is armed get the checked path's errors; a workspace given to a plan that needs none
+    is ignored on every call, as the checked path ignores it."""
+    x, weight = torch.randn(4, 32, device=DEVICE), torch.randn(32, device=DEVICE)
+    plan = opforge.plan("rms_norm", x, weight)
+    y, rstd = (torch.empty(spec.shape, dtype=spec.dtype, device=DEVICE)
+               for spec in plan.outputs)
+    for _ in range(3):
+        plan.run(x, weight, out=[y, rstd])
+    with pytest.raises(opforge.OpError, match="more tensors"):
+        plan.run(x, weight, y, out=rstd)
+    with pytest.raises(opforge.ShapeError):
+        plan.run(x, out=[weight, y, rstd])
+    assert plan.workspace_bytes == 0
+    for _ in range(3):
+        assert plan.run(x, weight, out=[y, rstd], workspace="scratch") == (y, rstd)
+    assert_golden(plan.op, Case("roles", (x, weight), {}), (y, rstd))
+
+
 def test_repeated_runs_into_an_out_overlapping_the_input_go_through_a_buffer(backend):
     """An out that overlaps its input one element further on is written through a fresh
     buffer on every call, the repeated ones included (a direct launch would read elements
@@ -454,10 +477,16 @@ def test_repeated_runs_into_an_out_overlapping_the_input_go_through_a_buffer(bac
     x = memory[:size]
     shifted = memory[1:]
     plan = opforge.plan("gelu", x)
-    for _ in range(3):
-        before = x.clone()
-        plan.run(x, out=shifted)
-        assert_golden(plan.op, Case("shifted", (before,), {}), shifted)
+    buffers = []
+    with mock.patch.object(plan_module, "allocate",
+                           side_effect=lambda spec: buffers.append(spec) or allocate(spec)):
+        for _ in range(4):
+            before = x.clone()
+            plan.run(x, out=shifted)
+            assert_golden(plan.op, Case("shifted", (before,), {}), shifted)
+    # One a call, and one when the second call finds the objects need it: the later calls
+    # are not checked twice.
+    assert len(buffers) == 4 + 1
     out = torch.empty(size, device=DEVICE)
     other = torch.randn(size + 1, device=DEVICE)
     source = other[:size]

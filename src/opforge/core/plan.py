@@ -143,8 +143,8 @@ class Plan:
         cost: FLOPs and bytes moved.
     """
 
-    __slots__ = ("_allocations", "_checked", "_direct", "_empty", "_held", "_launcher", "_mutated",
-                 "_output_bytes", "_seen", "_steps",
+    __slots__ = ("_allocations", "_checked", "_declined", "_direct", "_empty", "_held",
+                 "_launcher", "_mutated", "_output_bytes", "_seen", "_steps",
                  "attrs", "backend", "cost", "grid", "hardware", "inputs", "op", "outputs",
                  "tiling", "workspace_bytes")
 
@@ -181,10 +181,12 @@ class Plan:
             if backends.interpreter_enabled():
                 self._launcher = _locked(self._launcher)
                 self._held = None  # replays must take the interpreter's lock too
-        # `run` with ``out``: the last call's tensor identities, and the armed replay's
-        # identities, descriptions and held launches (`_remember`).
+        # `run` with ``out``: the last call's tensor identities, the armed replay's
+        # identities, descriptions and held launches, and the identities last found to
+        # need a buffer for an out (`_remember`).
         self._seen: tuple[int, ...] = ()
         self._checked: tuple[tuple[int, ...], list[Any], list[Any] | None] | None = None
+        self._declined: tuple[int, ...] = ()
         self._output_bytes = tuple(spec.numel * spec.itemsize for spec in self.outputs)
         self._allocations = tuple((spec.shape, contiguous_strides(spec.shape), spec.dtype,
                                    spec.device) for spec in self.outputs)
@@ -363,7 +365,7 @@ class Plan:
             return self._observed(self._check_inputs(tensors), out, workspace)
         outs = tuple(out) if isinstance(out, (list, tuple)) else (out,)
         slots = (*tensors, *outs, workspace)
-        identities = tuple(map(id, slots))
+        identities = (len(tensors), *map(id, slots))  # which are inputs counts too
         checked = self._checked
         if checked is not None and checked[0] == identities and \
                 _described(slots) == checked[1]:
@@ -372,36 +374,41 @@ class Plan:
             if checked[2] is None or not replay(checked[2], slots):
                 self._launcher(self, tensors, outs, workspace)
             return outs[0] if len(outs) == 1 else outs
+        if identities != self._seen or identities == self._declined:
+            self._seen = identities
+            return self._observed(self._check_inputs(tensors), out, workspace)
+        described = _described(slots)  # what the checks about to run will have read
         results = self._observed(self._check_inputs(tensors), out, workspace)
-        if identities == self._seen:
-            self._remember(identities, tensors, outs, workspace)
-        self._seen = identities
+        self._remember(identities, described, tensors, outs, workspace)
         return results
 
-    def _remember(self, identities: tuple[int, ...], tensors: Sequence[torch.Tensor | None],
-                  outs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-        """After the second checked `run` in a row with ``out`` on the same tensor objects:
-        arm the replay of later ones (`run`) when its launches take its tensors as given:
-        every input, outputs written in place (none through a buffer: an ``out`` that
-        overlaps an input, or strided where the kernels write contiguous rows), a
-        workspace that is exactly the plan's flat bytes (or none where the plan needs
-        none)."""
-        if not self._direct or self._empty or len(tensors) != len(self.inputs):
+    def _remember(self, identities: tuple[int, ...], described: list[Any],
+                  tensors: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor],
+                  workspace: torch.Tensor | None) -> None:
+        """After the second checked `run` in a row with ``out`` on the same tensor objects
+        (``described`` as they were before its checks): arm the replay of later ones
+        (`run`) when its launches take its tensors as given: every input, outputs written
+        in place (none through a buffer: an ``out`` that overlaps an input, or strided
+        where the kernels write contiguous rows), a workspace that is exactly the plan's
+        flat bytes where it needs one, none where it does not."""
+        if not self._direct or self._empty or len(tensors) != len(self.inputs) or \
+                not described:
             return
         if workspace is None:
             if self.workspace_bytes:  # taken from the pool on each call
                 return
-        elif workspace.dtype is not torch.uint8 or workspace.dim() != 1 or \
-                workspace.numel() != self.workspace_bytes:  # the launcher got a view of it
+        elif not self.workspace_bytes or workspace.dtype is not torch.uint8 or \
+                workspace.dim() != 1 or workspace.numel() != self.workspace_bytes:
+            return  # ignored by the checked path, or the launcher got a view of it
+        slots = (*tensors, *outs, workspace)
+        if _described(slots) != described:  # changed while the checks ran (a thread)
             return
         targets, _ = self._outputs(outs, tensors)
         if any(target is not given for target, given in zip(targets, outs)):
+            self._declined = identities  # not asked again for these objects
             return
-        slots = (*tensors, *outs, workspace)
-        described = _described(slots)
-        if described:
-            launches = self._held.held_for(slots) if self._held is not None else None
-            self._checked = (identities, described, launches)
+        launches = self._held.held_for(slots) if self._held is not None else None
+        self._checked = (identities, described, launches)
 
     def run_planned(self, tensors: Sequence[torch.Tensor | None]) -> Any:
         """`run` into fresh outputs without the input checks, for a caller that got this
