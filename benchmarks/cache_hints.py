@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opforge.profiler.results import environment, write_results
+from opforge.profiler.results import write_report
 
 # (name, load cache modifier, load eviction policy, store cache modifier)
 HINTS = (
@@ -112,17 +112,13 @@ def main() -> None:
         for name, *hints in HINTS:
             y.zero_()
             record(kernel, name, lambda launch=launch, hints=tuple(hints): launch(hints))
-    env = environment(device)
     lines = [f"# Cache hints on streaming kernels, bf16 {rows}x{cols}", "",
              "| kernel | hints | µs | TB/s |", "|---|---|---:|---:|"]
     lines += [f"| {r['kernel']} | {r['hints']} | {r['us']} | {r['tb_per_s']} |"
               for r in results]
     lines += ["", "TB/s: the bytes the kernel must move (its input read once, its output "
               "written once) over the median time.", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    paths = write_results(args.out, "cache_hints", [{**env, **r} for r in results],
-                          "\n".join(lines) + "\n")
-    print("wrote " + " and ".join(str(p) for p in paths))
+    write_report(args.out, "cache_hints", results, lines, device)
 
 
 if __name__ == "__main__":

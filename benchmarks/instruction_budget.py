@@ -36,7 +36,7 @@ import opforge
 from opforge.aot import KernelVariant, parse_target, recorded_launches, sass_instructions
 from opforge.core.plan import plan
 from opforge.ops import _math
-from opforge.profiler.results import environment, write_results
+from opforge.profiler.results import write_report
 
 COPY_BYTES_PER_S = 4.22e12  # H200 dst.copy_(src), results/gpu_2026-12-04
 SMS, CLOCK_HZ, LANES_PER_SM = 132, 1.98e9, 128
@@ -102,7 +102,6 @@ def main() -> None:
                         "instructions_per_value": round(counts["cvt.rn"], 1),
                         "with_integer_rounding": round(counts["integer"], 1)})
         print(results[-1], flush=True)
-    env = environment(torch.device("cpu"))
     lines = [f"# Instructions a value, sm_90, bf16 {args.shape} (H200 tilings)", "",
              "| op | kernel | bytes a value | budget at copy speed | instructions a value "
              "| with integer bf16 rounding |", "|---|---|---:|---:|---:|---:|"]
@@ -112,10 +111,7 @@ def main() -> None:
     lines += ["", "Budget: 128 lanes x 132 SMs x 1.98 GHz x bytes a value / 4.22 TB/s. "
               "Instructions: the compiled kernel's SASS over the values a thread holds in "
               "one loop step (prologue included: a bound from above).", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    paths = write_results(args.out, "instruction_budget", [{**env, **r} for r in results],
-                          "\n".join(lines) + "\n")
-    print("wrote " + " and ".join(str(p) for p in paths))
+    write_report(args.out, "instruction_budget", results, lines, torch.device("cpu"))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import opforge
 from gpu_bench import parse_shape, training_cases, training_step
 from opforge.core import tiling
 from opforge.ops import cross_entropy, reduce_sum, softmax
-from opforge.profiler.results import environment, write_results
+from opforge.profiler.results import write_report
 
 # The modules whose tilings choose num_warps with gpu_warps (the row kernels; the norms'
 # through `tiling.rows_then_looped`).
@@ -153,11 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.iterations)
             lines += sweep_lines
             rows += sweep_results
-    env = environment(device)
-    text = "\n".join(lines) + "\n" + "".join(f"- {k}: {v}\n" for k, v in env.items())
-    csv_path, md_path = write_results(args.out, "kernel_breakdown",
-                                      [{**env, **row} for row in rows], text)
-    print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
+    write_report(args.out, "kernel_breakdown", rows, lines, device)
     return 0
 
 

@@ -67,3 +67,15 @@ def write_results(out: Path, prefix: str, rows: Sequence[dict[str, Any]],
     md_path = out / f"{stem}.md"
     md_path.write_text(text)
     return csv_path, md_path
+
+
+def write_report(out: Path, prefix: str, rows: Sequence[dict[str, Any]],
+                 lines: Sequence[str], device: torch.device) -> tuple[Path, Path]:
+    """`write_results` of a benchmark's ``rows`` and Markdown ``lines``, each CSV row and
+    the report's closing list carrying the run's `environment` on ``device``; prints the
+    two paths."""
+    env = environment(device)
+    text = "\n".join([*lines, *(f"- {k}: {v}" for k, v in env.items())]) + "\n"
+    paths = write_results(out, prefix, [{**env, **row} for row in rows], text)
+    print("wrote " + " and ".join(str(path) for path in paths))
+    return paths
