@@ -496,3 +496,34 @@ def test_repeated_runs_into_an_out_overlapping_the_input_go_through_a_buffer(bac
     before = source.clone()
     plan.run(source, out=out)
     assert_golden(plan.op, Case("moved", (before,), {}), out)
+
+
+def test_a_repeated_run_with_out_replays_the_held_launches_on_its_tensors(monkeypatch,
+                                                                          fresh_plans):
+    """The compiled-kernel path (no interpreter lock; kernel launches recorded by a
+    stand-in ``run``): from the third `run(out=)` on the same objects the layout's held
+    launches are replayed, one launch a call, each on the call's own tensors; other objects
+    go through the checked path again."""
+    from opforge.core import backends
+    from opforge.ops.softmax import _softmax_rows_kernel
+
+    launched: list[list[int]] = []
+
+    def run(kernel, *arguments, **keywords):
+        launched.append([a.data_ptr() for a in arguments if isinstance(a, torch.Tensor)])
+
+    monkeypatch.setattr(type(_softmax_rows_kernel), "run", run)
+    monkeypatch.setattr(backends, "_triton_refusal", lambda device: None)
+    monkeypatch.setattr(backends, "interpreter_enabled", lambda: False)
+    x, out, other = torch.randn(8, 256), torch.empty(8, 256), torch.empty(8, 256)
+    with opforge.use_backend("triton"):
+        plan = opforge.plan("gelu", x)
+        for call in range(5):
+            launched.clear()
+            plan.run(x, out=out)
+            assert len(launched) == 1 and {x.data_ptr(), out.data_ptr()} <= set(launched[0])
+            assert (call >= 1) == (plan._checked is not None)
+        assert plan._checked[2]  # the held launches, replayed
+        launched.clear()
+        plan.run(x, out=other)
+        assert len(launched) == 1 and other.data_ptr() in launched[0]
