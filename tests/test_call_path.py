@@ -507,6 +507,8 @@ def test_a_repeated_run_with_out_replays_the_held_launches_on_its_tensors(monkey
     from opforge.core import backends
     from opforge.ops.softmax import _softmax_rows_kernel
 
+    if not hasattr(type(_softmax_rows_kernel), "run"):
+        pytest.skip("Triton 3.2's interpreter launches past run: no launch is held there")
     launched: list[list[int]] = []
 
     def run(kernel, *arguments, **keywords):
