@@ -358,8 +358,8 @@ class Plan:
         input given, ``workspace`` given where the plan needs one) skip these checks from
         the third call on, while each tensor's address, shape, strides, dtype and device,
         all that the checks read, stay as they were: only the operator's value checks run
-        before the launches held for that layout (gelu at 8 x 256 on the CPU, launches
-        stubbed: 3.5 µs a call against 6.2 checked).
+        before the launches held for that layout (an 8 x 256 unary call on the CPU,
+        launches stubbed: 3.4 µs a call against 6.1 checked; docs/architecture.md).
         """
         if out is None or _observer[0] is not None:
             return self._observed(self._check_inputs(tensors), out, workspace)

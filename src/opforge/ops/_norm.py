@@ -251,7 +251,7 @@ if triton is not None:
         """A weight's or bias's values over ``offsets`` in float32 (1 when absent). The
         backward with whole rows on chip loads them once a program, not once a row (a
         third more load requests than its rows at one row a program step); the forward
-        once a tile (see its NOTE)."""
+        once a program for tiles of several rows, else once a row (see its NOTE)."""
         if PRESENT:
             return widen(tl.load(ptr + offsets, mask=offsets < N, other=0.0))
         else:
@@ -275,6 +275,16 @@ if triton is not None:
                             LOOPED: tl.constexpr, WIDE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         cols = tl.arange(0, BLOCK_N)
+        # NOTE: one-row tiles read the parameters again for each row (from L1 or L2):
+        # held across the program's rows, they took layer_norm's forward at 8192 columns
+        # and 8 warps from 80 to 128 registers (sm_90: 3 programs an SM to 2) and spilled
+        # rms_norm's at 32768 columns (112 B) and layer_norm's at 16384 (24 B). Tiles of
+        # several rows hold them (read per tile, rms_norm's int64-offset 4 x 1024 tile
+        # spilled 8 B).
+        held_weight = _parameter_block(weight_ptr, cols, N,
+                                       HAS_WEIGHT and (BLOCK_M > 1 and not LOOPED))
+        held_bias = _parameter_block(bias_ptr, cols, N,
+                                     HAS_BIAS and (BLOCK_M > 1 and not LOOPED))
         for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
             rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
             if WIDE:
@@ -397,14 +407,13 @@ if triton is not None:
                                         variance)
                 inverse = 1.0 / tl.sqrt(variance + eps * scale * scale)
                 rstd = scale * inverse
-                # NOTE: the parameters are read again for each tile (from L1 or L2), not
-                # held across the program's tiles: held, they took layer_norm's forward at
-                # 8192 columns and 8 warps from 80 to 128 registers (sm_90: 3 programs an
-                # SM to 2) and spilled rms_norm's at 32768 columns (112 B) and
-                # layer_norm's at 16384 (24 B).
-                y = _affine((deviation * scale[:, None]) * inverse[:, None],
-                            _parameter_block(weight_ptr, cols, N, HAS_WEIGHT),
-                            _parameter_block(bias_ptr, cols, N, HAS_BIAS), HAS_WEIGHT, HAS_BIAS)
+                if BLOCK_M > 1:
+                    weight, bias = held_weight, held_bias
+                else:
+                    weight = _parameter_block(weight_ptr, cols, N, HAS_WEIGHT)
+                    bias = _parameter_block(bias_ptr, cols, N, HAS_BIAS)
+                y = _affine((deviation * scale[:, None]) * inverse[:, None], weight, bias,
+                            HAS_WEIGHT, HAS_BIAS)
                 outs = y_ptr + rows[:, None] * N + cols[None, :]
                 tl.store(outs, rounded_for(y, y_ptr), mask=mask)
             if CENTER:
