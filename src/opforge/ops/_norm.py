@@ -102,10 +102,10 @@ def tiling(geometry: Geometry, streams: int, one_row: int | None = None
 # core overlap one program's loads with the other's arithmetic where both fit on the SM.
 BACKWARD_PROGRAMS_PER_CORE = 2
 # Warps from which one backward program fills an SM's registers: at 16 values a thread
-# it keeps four row streams (gradient, x, weight, partials) live, over 64 registers a
-# thread (rms_norm_backward 112, layer_norm_backward 124 at sm_90, 8192 columns), and 16
-# warps of that take more than half of the 65536; a second program a core would only run
-# after the first, with twice the partials to write and sum.
+# it keeps a row's terms and its partials live, over 64 registers a thread
+# (rms_norm_backward 71, layer_norm_backward 119 at sm_90, 8192 columns), and 16 warps of
+# that take more than half of the 65536; a second program a core would only run after
+# the first, with twice the partials to write and sum.
 BACKWARD_FULL_SM_WARPS = 16
 
 
@@ -249,9 +249,8 @@ if triton is not None:
     @triton.jit
     def _parameter_block(ptr, offsets, N, PRESENT: tl.constexpr):
         """A weight's or bias's values over ``offsets`` in float32 (1 when absent). The
-        backward with whole rows on chip loads them once a program, not once a row (a
-        third more load requests than its rows at one row a program step); the forward
-        once a program for tiles of several rows, else once a row (see its NOTE)."""
+        forward loads them once a program for tiles of several rows, else once a row, and
+        the backward once a row (see their NOTEs: registers)."""
         if PRESENT:
             return widen(tl.load(ptr + offsets, mask=offsets < N, other=0.0))
         else:
@@ -483,7 +482,6 @@ if triton is not None:
                     tl.store(partial_b + offsets, zeros, mask=offsets < N)
         sum_w = tl.zeros([BLOCK_N], dtype=tl.float32)
         sum_b = tl.zeros([BLOCK_N], dtype=tl.float32)
-        row_weight = _parameter_block(weight_ptr, cols, N, HAS_WEIGHT and not LOOPED)
         for row in range(program, M, programs):
             if WIDE:
                 row = row.to(tl.int64)
@@ -527,31 +525,31 @@ if triton is not None:
                         acc = tl.load(partial_b + offsets, mask=mask, other=0.0)
                         tl.store(partial_b + offsets, acc + grad, mask=mask)
             else:
-                grad, x_hat, grad_w = _grad_block(grad_ptr, x_ptr, row_weight, row, cols,
-                                                  stride_g, stride_x, N, mean, rstd)
+                # NOTE: sm_90, bf16: the weight read once a row (an L1 hit) and the
+                # partials summed before the row's reductions, so that grad dies early,
+                # take rms_norm_backward at 8192 columns (16 warps) from 112 registers to
+                # 71 and its spill at 16384 (32 warps) from 136 B to 16 (layer_norm's 288
+                # to 184: its two partial rows and a row's x_hat and grad_w fill the 64
+                # registers a thread of 32 warps has); all row loads stay at the loop's top.
+                grad, x_hat, grad_w = _grad_block(
+                    grad_ptr, x_ptr, _parameter_block(weight_ptr, cols, N, HAS_WEIGHT), row,
+                    cols, stride_g, stride_x, N, mean, rstd)
+                if RECENTRE:  # noqa: SIM102 - a constexpr; the row's test is a runtime branch
+                    # The saved mean is the forward's rough one: on a row whose mean stands
+                    # beyond its spread, x - mean is exact but off by the mean's rounding,
+                    # and the mean of x_hat is that error (in units of the spread): taken
+                    # out, as the forward's corrected pass did, x_hat is the forward's. A
+                    # branch on the row, so that other rows make no fourth reduction.
+                    if _offset_row(mean, rstd):
+                        x_hat = tl.where(cols < N, x_hat - tl.sum(x_hat, axis=0) / N, 0.0)
+                sum_w += grad * x_hat
+                sum_b += grad
                 sum_gx = tl.sum(grad_w * x_hat, axis=0)
                 mean_g = 0.0
                 if CENTER:
-                    sum_g = tl.sum(grad_w, axis=0)
-                    if RECENTRE:
-                        # The saved mean is the forward's rough one: on a row whose mean
-                        # stands beyond its spread, x - mean is exact but off by the mean's
-                        # rounding, and the mean of x_hat is that error (in units of the
-                        # spread): taken out, as the forward's corrected pass did, x_hat is
-                        # the forward's; sum(g (x_hat - drift)) follows from the sums.
-                        # NOTE: sm_90, 8192 columns, 16 warps: with the drift taken out
-                        # before the other sums, ptxas issued the grad row's loads after
-                        # the first reduction, two memory latencies a row; three
-                        # independent sums issue all four row loads at once.
-                        drift = tl.where(_offset_row(mean, rstd), tl.sum(x_hat, axis=0) / N,
-                                         0.0)
-                        x_hat = tl.where(cols < N, x_hat - drift, 0.0)
-                        sum_gx -= drift * sum_g
-                    mean_g = sum_g / N
+                    mean_g = tl.sum(grad_w, axis=0) / N
                 mean_gx = sum_gx / N
                 _store_grad_x(grad_w, x_hat, rstd, mean_g, mean_gx, dx_ptr, row, cols, N)
-                sum_w += grad * x_hat
-                sum_b += grad
         if not LOOPED:
             if HAS_WEIGHT:
                 tl.store(partial_w + cols, sum_w, mask=cols < N)
