@@ -164,7 +164,7 @@ class Attr:
     def _coerce(self, value: Any, op: str) -> Any:
         def fail() -> AttrError:
             return AttrError("has the wrong type", op=op, param=self.name,
-                             expected=self.kind, got=f"{type(value).__name__} {value!r}")
+                             expected=self.kind, got=_brief(value))
 
         if self.kind == "bool":
             if not isinstance(value, bool):
@@ -193,6 +193,17 @@ class Attr:
                 isinstance(v, bool) or not isinstance(v, int) for v in value):
             raise fail()
         return tuple(value)
+
+
+def _brief(value: Any) -> str:
+    """A wrong attribute as its error names it: a tensor by its shape and dtype, a sequence
+    holding tensors by its length (a tensor's repr prints its data, and cannot be taken
+    while torch.compile traces: the typed error would become dynamo's)."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor of shape {tuple(value.shape)}, {value.dtype}"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return f"{type(value).__name__} of {len(value)} items, tensors among them"
+    return f"{type(value).__name__} {value!r}"
 
 
 @dataclass(frozen=True)

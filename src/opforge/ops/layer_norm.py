@@ -483,4 +483,6 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     """
     if isinstance(normalized_shape, int):
         normalized_shape = [normalized_shape]
-    return LAYER_NORM(x, weight, bias, list(normalized_shape), eps)[0]
+    elif isinstance(normalized_shape, (tuple, torch.Size)):
+        normalized_shape = list(normalized_shape)
+    return LAYER_NORM(x, weight, bias, normalized_shape, eps)[0]
