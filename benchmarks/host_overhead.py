@@ -69,24 +69,34 @@ def stubbed_launches() -> Iterator[list[int]]:
     opforge.clear_caches()
 
 
-def per_call_us(call: Callable[[], Any], calls: int, repeats: int,
-                device: torch.device) -> float:
-    """The least over ``repeats`` of the wall time of ``calls`` calls, per call, in µs: a
-    host path's cost is its fastest repeat (a slower one met another process or the
-    garbage collector)."""
-    for _ in range(max(10, calls // 10)):
-        call()
-    samples = []
+def per_call_us(layers: dict[str, Callable[[], Any]], calls: int, repeats: int,
+                device: torch.device) -> dict[str, float | str]:
+    """Per layer, the least over ``repeats`` of the wall time of ``calls`` calls, per call,
+    in µs, or the error its call raised: a host path's cost is its fastest repeat (a slower
+    one met another process or the garbage collector). The repeats take the layers in turn,
+    so that a drift of the machine's speed reaches every layer of an operator alike (timed
+    one layer after the other, a row moved by up to 5 µs between runs of the same code)."""
+    samples: dict[str, list[float]] = {}
+    failed: dict[str, str] = {}
+    for name, call in layers.items():
+        try:
+            for _ in range(max(10, calls // 10)):
+                call()
+            samples[name] = []
+        except Exception as error:  # reported in its row, the other layers still run
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return min(samples)
+        for name in samples:
+            call = layers[name]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {**failed, **{name: min(times) for name, times in samples.items()}}
 
 
 # Every operator's common call, on shapes of a decode step or a small row block: the
@@ -338,14 +348,13 @@ def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
         layers.append(("compiled torch", peer_compiled))
         layers.append(("compiled opforge", _compiled(
             lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
+    timed = per_call_us({layer: call for layer, call in layers if callable(call)}, calls,
+                        repeats, device)
     rows = []
     for layer, call in layers:
-        us, note = None, notes.get(layer, "") if callable(call) else call
-        if callable(call):
-            try:
-                us = per_call_us(call, calls, repeats, device)
-            except Exception as error:  # reported in its row, the other layers still run
-                note = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+        result = timed.get(layer, call)
+        us = result if isinstance(result, float) else None
+        note = notes.get(layer, "") if us is not None else result
         rows.append({"op": opdef.name, "case": case.name, "layer": layer,
                      "us_per_call": "" if us is None else round(us, 2), "note": note})
         print(f"{opdef.name:26s} {layer:22s} "
@@ -397,7 +406,8 @@ def main() -> None:
     lines = ["# Host cost of an opforge call", "",
              f"{env['date']} · {env['device']} · torch {env['torch']} · triton "
              f"{env.get('triton', '-')} · {how}; {args.calls} calls per repeat, the least "
-             f"of {args.repeats} repeats.", "", "## Targets", "", *ratios(rows), "",
+             f"of {args.repeats} repeats (an operator's layers timed in turn in each).", "",
+             "## Targets", "", *ratios(rows), "",
              "## Every row (µs per call)", "",
              "| op | case | layer | µs per call | note |", "|---|---|---|---:|---|"]
     lines += [f"| {r['op']} | {r['case']} | {r['layer']} | {r['us_per_call'] or '-'} | "
