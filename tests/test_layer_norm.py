@@ -65,6 +65,27 @@ def test_offset_data_that_breaks_the_naive_variance(offset, profile):
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+def test_recentred_backward_of_infinite_gradients_has_the_goldens_nan_and_inf(profile):
+    """Infinite gradients on a plain row and on an offset row, recentred: the drift's term
+    enters offset rows only, so both variants give the golden's Inf and NaN (a drift of 0
+    times an infinite sum(g) made a plain row all NaN)."""
+    x = _x(4, 2049)
+    x[1] += 1e4  # its mean stands beyond its spread: recentred
+    grad = _x(4, 2049, seed=1)
+    grad[0, 5], grad[1, 7], grad[3, 11] = float("inf"), float("-inf"), float("inf")
+    weight, bias = 1 + 0.1 * _x(2049, seed=2), 0.1 * _x(2049, seed=3)
+    with opforge.use_backend("triton"), opforge.use_hardware(
+            SMALL if profile == "small" else profile):
+        _, mean, rstd = opforge.plan(LAYER_NORM, x, weight, bias).run(x, weight, bias)
+        inputs = (grad, x, mean, rstd, weight, bias)
+        backward = opforge.plan(BACKWARD, *inputs, recentre=True)
+        assert backward.tiling.variant == PROFILES[profile]
+        grads = backward.run(*inputs)
+    assert grads[0][2].isfinite().all() and not grads[0][0].isfinite().all()
+    assert_golden(BACKWARD, Case("infinite", inputs, {"recentre": True}), grads)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("offset", [1e4, 1e6])
 def test_offset_rows_gradients_are_exact_to_a_few_ulps(offset, profile):
     """Autograd through layer_norm on rows far from zero (offset + N(0, 1), float32): the

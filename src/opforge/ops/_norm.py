@@ -226,6 +226,16 @@ if triton is not None:
         return tl.max(flagged.to(tl.int32), axis=0) > 0
 
     @triton.jit
+    def _real_rows(variance, row_mask, BLOCK_M: tl.constexpr):
+        """The variances of a block's real rows, 1 past M. Every row of a one-row block is
+        real (the persistent loop stops at M): triton-ascend fails to lower its mask in the
+        select (rms_norm and layer_norm at 4096 columns and more, one row a tile)."""
+        if BLOCK_M == 1:
+            return variance
+        else:
+            return tl.where(row_mask, variance, 1.0)
+
+    @triton.jit
     def _load_row_block(x_ptr, residual_ptr, rows, offsets, mask, stride_x, stride_r,
                         HAS_RESIDUAL: tl.constexpr):
         """x (+ residual) of a block of rows, in float32; 0 where masked."""
@@ -330,13 +340,7 @@ if triton is not None:
                         m2 += tl.sum(s * s, axis=1)
                 variance = m2 / N
                 scale = tl.full([BLOCK_M], 1.0, tl.float32)
-                if BLOCK_M == 1:
-                    # Every row of a one-row block is real (the persistent loop stops at M);
-                    # triton-ascend's linalg conversion fails on its mask in the select.
-                    checked = variance
-                else:
-                    checked = tl.where(row_mask, variance, 1.0)
-                if _needs_rescale(checked):
+                if _needs_rescale(_real_rows(variance, row_mask, BLOCK_M)):
                     # Two more passes for such rows only: their largest deviation, then
                     # their scaled squares.
                     top = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -398,7 +402,7 @@ if triton is not None:
                     deviation = s
                     variance = tl.sum(s * s, axis=1) / N
                 scale = tl.full([BLOCK_M], 1.0, tl.float32)
-                if _needs_rescale(tl.where(row_mask, variance, 1.0)):
+                if _needs_rescale(_real_rows(variance, row_mask, BLOCK_M)):
                     top = tl.max(tl.where(mask, tl.abs(deviation), 0.0), axis=1)
                     scale = _rescaled(variance, top, eps)
                     scaled = deviation * scale[:, None]
@@ -502,9 +506,22 @@ if triton is not None:
                     sum_gx += tl.sum(grad_w * x_hat, axis=0)
                     sum_x += tl.sum(x_hat, axis=0)
                 drift = 0.0
-                if RECENTRE:  # as in the rows branch below; sum(g (x_hat - drift)) follows
-                    drift = tl.where(_offset_row(mean, rstd), sum_x / N, 0.0)
-                mean_gx = (sum_gx - drift * sum_g) / N
+                if RECENTRE:  # noqa: SIM102 - a constexpr; the row's test is a runtime branch
+                    # The rows branch's recentring (below). An offset row (rare) sums
+                    # g (x_hat - drift) in a pass of its own: sum(g x_hat) - drift sum(g)
+                    # cancels, and is NaN where an infinite gradient makes sum(g) infinite.
+                    if _offset_row(mean, rstd):
+                        drift = sum_x / N
+                        sum_gx = 0.0
+                        for start in range(0, N, BLOCK_N):
+                            offsets = start + cols
+                            grad, x_hat, grad_w = _grad_block(
+                                grad_ptr, x_ptr,
+                                _parameter_block(weight_ptr, offsets, N, HAS_WEIGHT), row,
+                                offsets, stride_g, stride_x, N, mean, rstd)
+                            x_hat = tl.where(offsets < N, x_hat - drift, 0.0)
+                            sum_gx += tl.sum(grad_w * x_hat, axis=0)
+                mean_gx = sum_gx / N
                 if CENTER:
                     mean_g = sum_g / N
                 else:

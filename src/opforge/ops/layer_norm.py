@@ -483,6 +483,6 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     """
     if isinstance(normalized_shape, int):
         normalized_shape = [normalized_shape]
-    elif isinstance(normalized_shape, (tuple, torch.Size)):
-        normalized_shape = list(normalized_shape)
+    elif not isinstance(normalized_shape, (list, torch.Tensor)):
+        normalized_shape = list(normalized_shape)  # a tuple, torch.Size, range
     return LAYER_NORM(x, weight, bias, normalized_shape, eps)[0]
