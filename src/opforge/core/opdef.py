@@ -198,7 +198,7 @@ class Attr:
 def _brief(value: Any) -> str:
     """A wrong attribute as its error names it: a tensor by its shape and dtype, a sequence
     holding tensors by its length (a tensor's repr prints its data, and cannot be taken
-    while torch.compile traces: the typed error would become dynamo's)."""
+    while torch.compile traces)."""
     if isinstance(value, torch.Tensor):
         return f"Tensor of shape {tuple(value.shape)}, {value.dtype}"
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
