@@ -8,9 +8,10 @@
 #   env            environment (env.txt); the wheels in .wheels/ installed when there
 #                  (`make gpu-wheels`: Liger-Kernel, transformers and its dependencies;
 #                  carried to the machine)
-#   call_path      tests/test_call_path.py and tests/test_cross_entropy.py on CUDA (held
-#                  launches replayed through the compiled kernels' launchers, every
-#                  operator; the cross-entropy kernels)
+#   call_path      tests/test_call_path.py, tests/test_compiled_launches.py and
+#                  tests/test_cross_entropy.py on CUDA (held launches replayed through the
+#                  compiled kernels' launchers, every operator; compiled calls traced into
+#                  their Triton launches against eager calls; the cross-entropy kernels)
 #   gpu_bench      benchmarks/gpu_bench.py (attention, MlaProlog, routing, the embedding
 #                  gradient, then the bandwidth kernels and the forward + backward pairs
 #                  beside torch eager, torch.compile and Liger-Kernel)
@@ -137,8 +138,9 @@ record env "$rc" "$start"
 
 # -v: each test's outcome is logged as it ends (the 2026-12-04 run reached its limit with four
 # failures whose names only the final summary would have given).
-step call_path "${CALL_PATH_TIMEOUT:-300}" "$PYTHON" -m pytest -v -p no:cacheprovider -n 4 \
-  -rfE tests/test_call_path.py tests/test_cross_entropy.py -k "not property"
+step call_path "${CALL_PATH_TIMEOUT:-420}" "$PYTHON" -m pytest -v -p no:cacheprovider -n 4 \
+  -rfE tests/test_call_path.py tests/test_compiled_launches.py tests/test_cross_entropy.py \
+  -k "not property"
 step gpu_bench "${BENCH_TIMEOUT:-180}" "$PYTHON" benchmarks/gpu_bench.py --out "$OUT" \
   --sizes 8192x8192 ${BENCH_ARGS:-}
 step linear_cross_entropy "${LINEAR_CE_TIMEOUT:-150}" "$PYTHON" \

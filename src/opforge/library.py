@@ -3,8 +3,11 @@
 The schema, the fake implementation and the autocast rule are derived from the OpDef; the
 real implementation is ``plan(...).run(...)``; the autograd formula is the one the operator
 module attached with `OpDef.autograd`. The op works in eager mode, under
-``torch.compile(fullgraph=True)`` (the op is opaque and the fake gives shapes, symbolic ones
-included), with ``torch.export`` and with `torch.library.opcheck`.
+``torch.compile(fullgraph=True)``, with ``torch.export`` and with `torch.library.opcheck`.
+Compiled for a CUDA device with static shapes, a call on the Triton backend is traced into
+its kernel launches (`Plan.traced`, the decomposition `torch.library.triton_op` makes), so
+the compiled program launches the kernels itself; every other compiled call keeps the op as
+one opaque node, whose fake gives the shapes (symbolic ones included).
 
 Registration is the one `torch.library.custom_op` makes (a schema tagged pt2-compliant, a
 ``CompositeExplicitAutograd`` kernel, a fake, an ``Autograd`` kernel applying an
@@ -218,6 +221,58 @@ def _version_bump_kernel(opdef: OpDef, op: Any) -> Callable[..., Any]:
     return kernel
 
 
+try:
+    # The mode AOTAutograd traces a compiled graph under (private: what
+    # torch.library.triton_op registers its decomposition for).
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+except ImportError:  # pragma: no cover - a torch without it: compiled calls stay opaque
+    FunctionalTensorMode = FunctionalTensor = None
+
+
+def _static_cuda(types: Sequence[type], tensors: Sequence[Any]) -> bool:
+    """Whether a traced call can be decomposed: plain or functional tensors, all on a
+    CUDA device (Inductor compiles Triton launches for it), every size and stride an int
+    (a plan is made for concrete shapes), outside ``torch.export`` (an exported program
+    keeps the operator: kernels are no part of its serialised form)."""
+    if any(t is not torch.Tensor and not issubclass(t, FunctionalTensor) for t in types):
+        return False
+    present = [t for t in tensors if t is not None]
+    if not present or not all(t.device.type == "cuda" and all(
+            type(n) is int for n in (*t.shape, *t.stride())) for t in present):
+        return False
+    return bool(getattr(torch._functorch.config, "decompose_custom_triton_ops", True))
+
+
+def _decomposition(opdef: OpDef, full: Callable[[tuple[Any, ...]], tuple[Any, ...]]
+                   ) -> Callable[..., Any]:
+    """The operator's rule under `FunctionalTensorMode`: its call as the kernel launches
+    of its plan (`Plan.traced`), which Inductor makes from its own generated code. Why: a
+    compiled graph calls an opaque Python operator through the dispatcher and its Python
+    kernel, about 24 µs a call on a CPU before the operator's own host path (the compiled
+    torch softmax costs 24 µs in all); a launch Inductor makes costs what its own kernels'
+    launches cost. Calls that cannot be decomposed get the mode's own handling."""
+    count = len(opdef.inputs)
+
+    def rule(mode: Any, op: Any, types: Sequence[type], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        called = full(tuple(args))
+        outputs = None
+        if _static_cuda(types, called[:count]):
+            # Whatever fails here (a symbolic attribute, a launcher that reads addresses or
+            # data on the host) leaves the call to the opaque operator, which raises
+            # what a real call raises.
+            try:
+                with mode:
+                    outputs = plan_for_call(opdef, called).traced(called[:count])
+            except Exception:
+                outputs = None
+        if outputs is None:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    return rule
+
+
 def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     """Register ``opdef`` as ``torch.ops.<namespace>.<name>`` (and in the opforge registry
     when ``namespace`` is ``"opforge"``). Returns the op (an `OpOverload`) and stores it as
@@ -253,6 +308,9 @@ def register_op(opdef: OpDef, namespace: str = "opforge") -> Any:
     if opdef.mutated_inputs:
         library.impl(opdef.name, _version_bump_kernel(opdef, op), "ADInplaceOrView",
                      with_keyset=True)
+    elif FunctionalTensorMode is not None:
+        torch.library.register_torch_dispatch(qualname, FunctionalTensorMode,
+                                              _decomposition(opdef, full), lib=library)
     opdef.torch_op = op
     opdef.call = _entry(opdef, op, function, full)
     for device_type in AUTOCAST_DEVICES:

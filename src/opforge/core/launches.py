@@ -24,10 +24,11 @@ Triton without this launcher keeps going through ``run``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,34 +74,65 @@ def _kernel_classes() -> list[type]:
     return [cls for cls in classes if "run" in cls.__dict__]
 
 
+@contextlib.contextmanager
+def _launches_redirected(handler: Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
+                         ) -> Iterator[None]:
+    """Within the block, each kernel launch this thread makes (``kernel[grid](...)``, that
+    is ``kernel.run(*args, grid=..., warmup=..., **kwargs)``) goes to ``handler(kernel,
+    args, kwargs)`` instead; other threads' launches, and any a handler makes itself, are
+    made as usual. Composite steps run their launchers as they are (`HeldLaunches`)."""
+    thread = threading.get_ident()
+    with _recording:
+        originals = [(cls, cls.__dict__["run"]) for cls in _kernel_classes()]
+        handling = [False]
+
+        def redirected(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(kernel: Any, *kernel_args: Any, **kwargs: Any) -> Any:
+                if threading.get_ident() != thread or handling[0]:
+                    return original(kernel, *kernel_args, **kwargs)
+                handling[0] = True
+                try:
+                    handler(kernel, kernel_args, kwargs)
+                finally:
+                    handling[0] = False
+                return None
+            return run
+
+        for cls, original in originals:
+            cls.run = redirected(original)
+        _recorder.active = True
+        try:
+            yield
+        finally:
+            _recorder.active = False
+            for cls, original in originals:
+                cls.run = original
+
+
 def _recorded(launcher: Callable[..., None], args: Sequence[Any]
               ) -> tuple[list[tuple[Any, tuple[Any, ...], dict[str, Any]]], list[str]]:
     """Run ``launcher(*args)`` with the kernels' launches recorded instead of made, and
     the non-view operators it ran."""
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-    thread = threading.get_ident()
-    with _recording:
-        originals = [(cls, cls.__dict__["run"]) for cls in _kernel_classes()]
-
-        def recorder(original: Callable[..., Any]) -> Callable[..., Any]:
-            def run(kernel: Any, *kernel_args: Any, **kwargs: Any) -> Any:
-                if threading.get_ident() != thread:  # another thread's launch: made
-                    return original(kernel, *kernel_args, **kwargs)
-                launches.append((kernel, kernel_args, kwargs))
-                return None
-            return run
-
-        for cls, original in originals:
-            cls.run = recorder(original)
-        _recorder.active = True
-        try:
-            with _Effects() as watched:
-                launcher(*args)
-        finally:
-            _recorder.active = False
-            for cls, original in originals:
-                cls.run = original
+    with _launches_redirected(lambda *launch: launches.append(launch)), _Effects() as watched:
+        launcher(*args)
     return launches, watched.effects
+
+
+def trace_launches(launcher: Callable[..., None], args: Sequence[Any]) -> None:
+    """Run ``launcher(*args)`` with each kernel launch made through
+    `torch.library.wrap_triton`: under a compiler's tracing mode, the launch becomes a node
+    of the traced graph (the compiled program makes it), beside the torch operators the
+    launcher runs."""
+    from torch.library import wrap_triton
+
+    def launch(kernel: Any, kernel_args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        options = {name: value for name, value in kwargs.items()
+                   if name not in ("grid", "warmup")}
+        wrap_triton(kernel)[kwargs["grid"]](*kernel_args, **options)
+
+    with _launches_redirected(launch):
+        launcher(*args)
 
 
 def _triton_launch_api() -> tuple[Any, Any] | None:

@@ -30,7 +30,7 @@ from opforge.core.errors import (
     UnsupportedError,
 )
 from opforge.core.hardware import HardwareProfile, hardware_setting, profile_for
-from opforge.core.launches import HeldLaunches, replay
+from opforge.core.launches import HeldLaunches, replay, trace_launches
 from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
 from opforge.core.shapes import contiguous_strides
 from opforge.core.workspace import WorkspacePool
@@ -432,6 +432,22 @@ class Plan:
                        if self.workspace_bytes else None)
             self._launcher(self, tensors, outputs, scratch)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def traced(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+        """`run_planned` as torch operators and Triton launches made through
+        `torch.library.wrap_triton`, for a compiler that traces the call (AOTAutograd's
+        functionalisation, under whose mode this runs): the outputs, or ``None`` for a
+        call that stays one opaque operator (the torch backend, an operator that writes
+        into its inputs, checks their values on the host, or whose launcher is not held:
+        one that reads data on the host)."""
+        if self._held is None or self.op.check_values is not None:
+            return None
+        outputs = [allocate(spec) for spec in self.outputs]
+        if not self._empty:
+            scratch = (torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                   device=outputs[0].device) if self.workspace_bytes else None)
+            trace_launches(self._held.launcher, (self, tensors, outputs, scratch))
+        return outputs
 
     def _observed(self, inputs: Sequence[torch.Tensor | None],
                   out: torch.Tensor | Sequence[torch.Tensor] | None,

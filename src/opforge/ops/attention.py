@@ -1727,13 +1727,15 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     rows = b * h * sq
     targets = (out, lse)
     if splits > 1:
-        partials = workspace[:4 * splits * rows * (dv + 1)].view(torch.float32)
-        targets = (partials[:splits * rows * dv], partials[splits * rows * dv:])
+        # narrow, not indexing: a CPU-only torch cannot index a fake CUDA tensor, and the
+        # compiled-call test traces this launcher on fake ones.
+        partials = workspace.narrow(0, 0, 4 * splits * rows * (dv + 1)).view(torch.float32)
+        targets = partials.split(splits * rows * dv)
     qk_scale = _scale_of(plan.attrs, d) * LOG2_E
     pack = _pack(plan.tiling, h, hkv)
     for first, count in _head_chunks(b * h // pack):
         _attention_forward_kernel[(plan.grid[0], count, splits)](
-            q, k, v, mask, *targets, q, q, sq, sk, h, h // hkv, first, b * h, keys_per_split,
+            q, k, v, mask, *targets, None, None, sq, sk, h, h // hkv, first, b * h, keys_per_split,
             qk_scale, *reach, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
             MASK=mask_kind, BAND=band, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
             EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
@@ -1762,7 +1764,7 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
         return
     lse = lse.contiguous()
     grad_lse = None if grad_lse is None else grad_lse.contiguous()
-    delta = workspace[:4 * b * h * sq].view(torch.float32)
+    delta = workspace.narrow(0, 0, 4 * b * h * sq).view(torch.float32)  # narrow: see above
     tensors = (q, k, v, dout, out, grad_q, grad_k, grad_v)
     # The streamed blocks (keys and values for dQ, queries and dout for dK/dV) by tensor
     # descriptor when the tiling's variant asks and the tensors allow.
@@ -1780,14 +1782,14 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     for first, count in _head_chunks(b * h):
         _attention_query_side_kernel[(plan.grid[0], count)](
             dout, q, k, v, out, lse, lse if grad_lse is None else grad_lse, delta, grad_q,
-            mask, q, q, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *reach,
+            mask, None, None, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *reach,
             *dout.stride(), *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *mask_strides, d, dv, MASK=mask_kind, BAND=band, HAS_GRAD_LSE=grad_lse is not None,
             VARLEN=False, **query_side)
     key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
-            dout, q, k, v, lse, delta, grad_k, grad_v, mask, q, q, sq, sk, h, hkv, h // hkv,
+            dout, q, k, v, lse, delta, grad_k, grad_v, mask, None, None, sq, sk, h, hkv, h // hkv,
             first, scale * LOG2_E, scale, *reach, *dout.stride(), *q.stride(), *k.stride(),
             *v.stride(), *mask_strides, d, dv, MASK=mask_kind, BAND=band, VARLEN=False,
             **key_side)

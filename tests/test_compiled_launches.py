@@ -1,0 +1,162 @@
+"""Compiled calls on a CUDA device: traced into their plans' Triton kernel launches, which
+the compiled program makes itself (`Plan.traced`), or kept as one opaque operator where
+the plan says why.
+
+On a CPU, `tests/compiled_trace.py` traces each operator's sample as AOTAutograd does
+(fake CUDA tensors) in a process with compiled kernels, and the tests compare its launches
+with the eager call's. On a GPU, compiled calls run and are compared with eager ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import opforge
+
+from .conftest import DEVICE
+
+# Operators whose compiled call stays one opaque node, and the plan's reason.
+OPAQUE = {
+    "attention_varlen": "checks its cumulative lengths on the host",
+    "attention_varlen_backward": "checks its cumulative lengths on the host",
+    "cross_entropy": "checks its targets' range on the host",
+    "cross_entropy_backward": "checks its targets' range on the host",
+    "embedding_dense_grad": "checks its indices' range on the host",
+    "fused_linear_cross_entropy": "checks its targets on the host, chunks by composite steps",
+    "fused_linear_cross_entropy_backward": "checks its targets on the host, chunks by steps",
+    "mla_prolog": "writes its caches in place",
+    "moe_gating_top_k_softmax": "runs another operator as a composite step",
+}
+OPS = [op.name for op in opforge.list_ops()]
+TRACED = sorted(set(OPS) - set(OPAQUE))
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, dict[str, Any]]:
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.compiled_trace"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {}
+    for line in done.stdout.splitlines():
+        record = json.loads(line)
+        found[record["op"]] = record
+    return found
+
+
+def _comparable(launch: dict[str, Any]) -> tuple[Any, ...]:
+    """A launch as Inductor makes it: a grid of three dims."""
+    return launch["kernel"], (*launch["grid"], 1, 1)[:3], launch["options"], \
+        launch["arguments"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_compiled_call_launches_what_the_eager_call_launches(name, traces):
+    record = traces[name]
+    assert "error" not in record, record.get("error")
+    if name in OPAQUE:
+        assert not record["traced"], OPAQUE[name]
+        return
+    assert record["traced"] and not record["opaque"]
+    assert [_comparable(t) for t in record["traced"]] == \
+        [_comparable(e) for e in record["eager"]]
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_a_compiled_call_copies_no_input(name, traces):
+    # Triton's analysis of the kernel marks what it writes; the compiled program copies
+    # each such argument first, so an input marked (a dummy pointer) costs a copy a call.
+    record = traces[name]
+    for traced, eager in zip(record["traced"], record["eager"]):
+        assert not set(traced["cloned"]) & set(eager["inputs"]), traced["kernel"]
+
+
+def _sample(op: opforge.OpDef, dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
+    case = op.samples(dtype, DEVICE, torch.Generator(device=DEVICE).manual_seed(0))[0]
+    return list(case.inputs), [case.attrs.get(attr.name, attr.default) for attr in op.attrs]
+
+
+def _calling(op: opforge.OpDef, attrs: list[Any]) -> Any:
+    return lambda *tensors: op(*tensors, *attrs)
+
+
+def _mismatches(got: Any, want: Any) -> str | None:
+    """Where ``got`` differs from ``want`` bit for bit (NaNs alike), or None."""
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    try:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    except (AssertionError, ValueError) as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def _with_gradients(function: Any, inputs: list[Any]) -> tuple[torch.Tensor, ...]:
+    """``function``'s outputs and the gradients of their sum into its floating inputs."""
+    leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor)
+              and t.is_floating_point() else t for t in inputs]
+    outputs = function(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    wanted = [o for o in outputs if o.requires_grad]
+    grads = torch.autograd.grad(wanted, [t for t in leaves if isinstance(t, torch.Tensor)
+                                         and t.requires_grad],
+                                [torch.ones_like(o) for o in wanted], allow_unused=True)
+    return (*outputs, *(g for g in grads if g is not None))
+
+
+# The GPU tests go over the operators in a few shards (each failure named in its message):
+# parallel workers share the compiles, and a CPU run skips a few tests, not one per operator.
+SHARDS = 4
+needs_cuda = pytest.mark.skipif(DEVICE.type != "cuda",
+                                reason="compiles Triton launches for a GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_compiled_calls_on_a_gpu_equal_eager_calls(shard):
+    from torch._inductor.utils import run_and_get_code
+
+    failures = []
+    for name in TRACED[shard::SHARDS]:
+        op = opforge.get_op(name)
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs, attrs = _sample(op, dtype)
+            torch._dynamo.reset()
+            compiled = torch.compile(_calling(op, attrs), fullgraph=True)
+            got, code = run_and_get_code(compiled, *inputs)
+            if "torch.ops.opforge" in "\n".join(code):
+                failures.append(f"{name} {dtype}: the compiled code calls the operator")
+            mismatch = _mismatches(got, op(*inputs, *attrs))
+            if mismatch:
+                failures.append(f"{name} {dtype}: {mismatch}")
+    assert not failures, "\n".join(failures)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_compiled_forward_and_backward_on_a_gpu_equal_eager_ones(shard):
+    # The backward runs the graph AOTAutograd compiled for it: the backward operators'
+    # launches, traced too.
+    failures = []
+    for name in TRACED[shard::SHARDS]:
+        op = opforge.get_op(name)
+        if op.backward_fn is None:
+            continue
+        inputs, attrs = _sample(op, torch.float32)
+        forward = _calling(op, attrs)
+        torch._dynamo.reset()
+        got = _with_gradients(torch.compile(forward, fullgraph=True), inputs)
+        mismatch = _mismatches(got, _with_gradients(forward, inputs))
+        if mismatch:
+            failures.append(f"{op.name}: {mismatch}")
+    assert not failures, "\n".join(failures)
