@@ -19,7 +19,8 @@ are real and each repeat ends with a synchronisation. Rows, per operator:
   the floor (its backward replays the backward launches opforge makes), opforge, torch
 * ``compiled torch``, ``compiled opforge``: ``torch.compile(fullgraph=True)`` of a function
   making the one call (opforge's operator, or its torch peer; a peer that breaks the graph
-  is compiled without fullgraph, and its row says so)
+  is compiled without fullgraph, and its row says so); on a GPU opforge's call is traced
+  into its kernel launches, and ``compiled opaque`` compiles it as one opaque operator
 
 The ratios the targets name (functional / floor, fwd+bwd / floor fwd+bwd, run(out=) /
 direct launch, compiled opforge / compiled torch) are printed in a second table.
@@ -348,6 +349,12 @@ def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
         layers.append(("compiled torch", peer_compiled))
         layers.append(("compiled opforge", _compiled(
             lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
+        if device.type == "cuda":
+            # The same call kept as one opaque operator (as torch.export keeps it): what
+            # tracing it into its launches saves.
+            with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+                layers.append(("compiled opaque", _compiled(
+                    lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
     timed = per_call_us({layer: call for layer, call in layers if callable(call)}, calls,
                         repeats, device)
     rows = []

@@ -39,7 +39,8 @@ MAX_LAYOUTS = 16
 # Argument types a replay can hold as they are.
 _CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype)
 _recording = threading.Lock()
-_recorder = threading.local()  # .active: this thread is inside a recording pass
+# .active: this thread is inside a recording or tracing pass; .tracing: a tracing one.
+_recorder = threading.local()
 _MISSING = object()
 
 
@@ -131,8 +132,21 @@ def trace_launches(launcher: Callable[..., None], args: Sequence[Any]) -> None:
                    if name not in ("grid", "warmup")}
         wrap_triton(kernel)[kwargs["grid"]](*kernel_args, **options)
 
-    with _launches_redirected(launch):
+    if tracing():  # a composite's step: the launches are redirected already
         launcher(*args)
+        return
+    with _launches_redirected(launch):
+        _recorder.tracing = True
+        try:
+            launcher(*args)
+        finally:
+            _recorder.tracing = False
+
+
+def tracing() -> bool:
+    """Whether this thread runs a launcher under `trace_launches` (a composite's steps are
+    traced into the same graph)."""
+    return getattr(_recorder, "tracing", False)
 
 
 def _triton_launch_api() -> tuple[Any, Any] | None:

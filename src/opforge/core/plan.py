@@ -30,7 +30,7 @@ from opforge.core.errors import (
     UnsupportedError,
 )
 from opforge.core.hardware import HardwareProfile, hardware_setting, profile_for
-from opforge.core.launches import HeldLaunches, replay, trace_launches
+from opforge.core.launches import HeldLaunches, replay, trace_launches, tracing
 from opforge.core.opdef import Attrs, Cost, OpDef, TensorSpec, Tiling, bucket_specs, dtype_name
 from opforge.core.shapes import contiguous_strides
 from opforge.core.workspace import WorkspacePool
@@ -213,6 +213,13 @@ class Plan:
         found = self._steps.get(name)
         if found is None:
             found = self._steps[name] = plan(op, *tensors, **attrs)
+        if tracing():
+            results = found.traced(tensors, out)
+            if results is None:
+                raise UnsupportedError("cannot be traced into a compiled graph",
+                                       op=found.op.name, param="step",
+                                       expected="a traceable plan", got=name)
+            return results[0] if len(results) == 1 else tuple(results)
         return found._observed(tensors, out, None)
 
     def _check_inputs(self, tensors: Sequence[Any]) -> Sequence[torch.Tensor | None]:
@@ -433,16 +440,21 @@ class Plan:
             self._launcher(self, tensors, outputs, scratch)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def traced(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
-        """`run_planned` as torch operators and Triton launches made through
-        `torch.library.wrap_triton`, for a compiler that traces the call (AOTAutograd's
-        functionalisation, under whose mode this runs): the outputs, or ``None`` for a
-        call that stays one opaque operator (the torch backend, an operator that writes
-        into its inputs, checks their values on the host, or whose launcher is not held:
-        one that reads data on the host)."""
+    def traced(self, tensors: Sequence[torch.Tensor | None],
+               out: torch.Tensor | Sequence[torch.Tensor] | None = None
+               ) -> list[torch.Tensor] | None:
+        """`run_planned` (into ``out`` when given: a composite's step) as torch operators
+        and Triton launches made through `torch.library.wrap_triton`, for a compiler that
+        traces the call (AOTAutograd's functionalisation, under whose mode this runs): the
+        outputs, or ``None`` for a call that stays one opaque operator (the torch backend,
+        an operator that writes into its inputs, checks their values on the host, or
+        whose launcher is not held: one that reads data on the host)."""
         if self._held is None or self.op.check_values is not None:
             return None
-        outputs = [allocate(spec) for spec in self.outputs]
+        if out is None:
+            outputs = [allocate(spec) for spec in self.outputs]
+        else:
+            outputs = [out] if isinstance(out, torch.Tensor) else list(out)
         if not self._empty:
             scratch = (torch.empty(self.workspace_bytes, dtype=torch.uint8,
                                    device=outputs[0].device) if self.workspace_bytes else None)

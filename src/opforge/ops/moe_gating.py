@@ -916,8 +916,10 @@ def launch_softmax(plan: object, inputs: Sequence[torch.Tensor | None],
     rows = flat.shape[0]
     y, idx, row_idx = (t.view(rows, -1) for t in outputs)
     # The step's scores output (off here) is empty: an empty float32 view of row_idx
-    # stands for it, where a fresh tensor would be an allocation on every call.
-    unused_scores = row_idx.view(torch.float32).reshape(-1)[:0]
+    # stands for it, where a fresh tensor would be an allocation on every call (narrow,
+    # not indexing: a CPU-only torch cannot index the fake CUDA tensors of
+    # tests/test_compiled_launches.py).
+    unused_scores = row_idx.view(torch.float32).reshape(-1).narrow(0, 0, 0)
     plan.run_step("gating", MOE_GATING_TOP_K, flat, None, out=(y, idx, unused_scores),
                   k=plan.attrs["k"], round_scores=plan.attrs["round_scores"])
     count = row_idx.numel()
