@@ -24,6 +24,7 @@ import opforge
 from opforge.aot import _StandInDriver
 from opforge.core import backends, launches
 from opforge.core.hardware import use_hardware
+from opforge.core.plan import Plan
 
 WRAPPER = "triton_kernel_wrapper_functional"
 
@@ -34,8 +35,9 @@ class _Driver(_StandInDriver):
 
 
 def _describe(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ["tensor", list(value.shape), list(value.stride()), str(value.dtype)]
+    if isinstance(value, torch.Tensor):  # an empty tensor's strides are never read
+        return ["tensor", list(value.shape), list(value.stride()) if value.numel() else None,
+                str(value.dtype)]
     if isinstance(value, torch.fx.Node):
         return _describe(value.meta["val"])
     return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
@@ -69,11 +71,12 @@ def _eager_launch(kernel: Any, arguments: tuple[Any, ...], keywords: dict[str, A
     if options.get("num_stages") == triton.Config({}).num_stages:
         del options["num_stages"]  # as a traced launch's config reads
     named = {**dict(zip(kernel.arg_names, arguments)), **keywords}
-    addresses = {t.untyped_storage().data_ptr() for t in inputs}
+    # Empty tensors all sit at address 0: none of them tells an input.
+    addresses = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
     return {"kernel": kernel.fn.__name__, "grid": list(grid), "options": options,
             "arguments": {name: _describe(value) for name, value in named.items()},
             "inputs": sorted(name for name, value in named.items()
-                             if isinstance(value, torch.Tensor)
+                             if isinstance(value, torch.Tensor) and value.numel()
                              and value.untyped_storage().data_ptr() in addresses)}
 
 
@@ -83,13 +86,31 @@ def _graph_of(function: Any, inputs: list[Any], fake: FakeTensorMode) -> torch.f
 
 
 def _summary(graph: torch.fx.GraphModule) -> tuple[list[dict[str, Any]], list[str]]:
+    """The graph's kernel launches, and the opforge operators it calls (an operator that
+    writes into its inputs is called through ``auto_functionalized``)."""
     nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    called = {str(target) for n in nodes for target in (n.target, *n.args[:1])}
     return ([_traced_launch(n) for n in nodes if WRAPPER in str(n.target)],
-            sorted({str(n.target) for n in nodes if "opforge" in str(n.target)}))
+            sorted(name for name in called if "opforge" in name))
 
 
-def trace(op: opforge.OpDef) -> dict[str, Any]:
-    case = op.samples(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))[0]
+# Why the traces of the current sample fell back to the opaque operator.
+refusals: list[str] = []
+
+
+def _recording_refusals(traced: Any) -> Any:
+    """`Plan.traced` that notes the exception a fallback swallows."""
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return traced(self, *args, **kwargs)
+        except Exception as error:
+            refusals.append(f"{self.op.name}: {type(error).__name__}: {error}")
+            raise
+    return run
+
+
+def _traced_case(op: opforge.OpDef, case: Any) -> dict[str, Any]:
+    """One sample: its traced launches and opaque operators, and its eager launches."""
     attrs = [case.attrs.get(attr.name, attr.default) for attr in op.attrs]
     fake = FakeTensorMode()
 
@@ -100,11 +121,19 @@ def trace(op: opforge.OpDef) -> dict[str, Any]:
             return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
                                        device="cuda")
 
-    result: dict[str, Any] = {"op": op.name}
+    planned = opforge.plan(op, *case.inputs, **case.attrs)
+    result: dict[str, Any] = {
+        "case": case.name, "backend": planned.backend,
+        "empty": not any(spec.numel for spec in planned.outputs),
+        # The views torch makes of an empty tensor (strides of its empty dims) differ
+        # between fake and real tensors: their launches are compared but for arguments.
+        "empty_input": any(isinstance(t, torch.Tensor) and not t.numel()
+                           for t in case.inputs)}
+    refusals.clear()
     forward = _graph_of(lambda *ts: op(*ts, *attrs), [on_cuda(t) for t in case.inputs], fake)
     result["traced"], result["opaque"] = _summary(forward)
-
-    planned = opforge.plan(op, *case.inputs, **case.attrs)
+    result["refusal"] = "; ".join(refusals)
+    result["eager"] = []
     if planned.backend == "triton" and not op.mutated_inputs:
         inputs = [t for t in case.inputs if isinstance(t, torch.Tensor)]
         outputs = [torch.empty(s.shape, dtype=s.dtype) for s in planned.outputs]
@@ -116,10 +145,18 @@ def trace(op: opforge.OpDef) -> dict[str, Any]:
     return result
 
 
+def trace(op: opforge.OpDef) -> dict[str, Any]:
+    """Every float32 sample of ``op`` (float32: no tensor descriptors, whose alignment test
+    keeps a call opaque; see `Plan.traced`)."""
+    cases = op.samples(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    return {"op": op.name, "cases": [_traced_case(op, case) for case in cases]}
+
+
 def main() -> None:
     logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
     driver.set_active(_Driver(GPUTarget("cuda", 90, 32)))
     with mock.patch.object(backends, "_triton_refusal", lambda device: None), \
+            mock.patch.object(Plan, "traced", _recording_refusals(Plan.traced)), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)), \
             backends.use_backend("triton"), use_hardware("h200"):
         for op in opforge.list_ops():

@@ -11,7 +11,7 @@ import torch
 
 import opforge
 from opforge.core.opdef import Case, Tiling
-from opforge.ops.attention import visible_keys
+from opforge.ops.attention import _visible_pairs, visible_keys
 from opforge.precision.attention_study import attention_error_growth, growth
 from opforge.profiler.session import kernel_costs
 
@@ -237,6 +237,14 @@ def test_queries_that_see_no_key_get_zero_and_minus_inf_lse(backend):
     assert torch.isneginf(lse[:, :, :6]).all() and torch.isfinite(lse[:, :, 6:]).all()
     causal = visible_keys(10, 4, (None, 0))
     assert not causal[:6].any() and causal[6:].any(-1).all()
+
+
+@pytest.mark.parametrize("sq, sk", [(10, 4), (4, 10), (7, 7), (0, 5), (5, 0), (33, 17)])
+@pytest.mark.parametrize("limits", [(None, 0), (0, None), (3, 0), (2, 5), (-2, 4), (4, -6),
+                                    (-3, 1), (50, -50), (0, 0)])
+def test_the_cost_counts_the_pairs_the_mask_shows(sq, sk, limits):
+    # The plan's cost counts pairs in host arithmetic (a plan may be made on fake tensors).
+    assert _visible_pairs(sq, sk, limits) == int(visible_keys(sq, sk, limits).sum())
 
 
 def test_grouped_query_attention_equals_repeated_heads(backend):

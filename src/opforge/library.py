@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-from opforge.core import registry
+from opforge.core import autotune, registry
 from opforge.core.errors import OpError, UnsupportedError
 from opforge.core.opdef import Attr, AutocastPolicy, OpDef
 from opforge.core.plan import Plan, plan_for_call, validate
@@ -257,10 +257,14 @@ def _decomposition(opdef: OpDef, full: Callable[[tuple[Any, ...]], tuple[Any, ..
              kwargs: dict[str, Any]) -> Any:
         called = full(tuple(args))
         outputs = None
-        if _static_cuda(types, called[:count]):
-            # Whatever fails here (a symbolic attribute, a launcher that reads addresses or
-            # data on the host) leaves the call to the opaque operator, which raises
-            # what a real call raises.
+        # With autotuning on, the call stays opaque: its tiling is timed on the first real
+        # call (a plan made here, on fake tensors, would take the first fitting tiling
+        # and be cached for eager calls too).
+        if _static_cuda(types, called[:count]) and not autotune.autotune_enabled():
+            # Whatever fails here leaves the call to the opaque operator, which raises what
+            # a real call raises. The launchers' host reads of addresses (tensor
+            # descriptors' alignment) and data come before their first launch, so a failed
+            # trace leaves no launch in the graph.
             try:
                 with mode:
                     outputs = plan_for_call(opdef, called).traced(called[:count])

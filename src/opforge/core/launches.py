@@ -128,6 +128,8 @@ def trace_launches(launcher: Callable[..., None], args: Sequence[Any]) -> None:
     from torch.library import wrap_triton
 
     def launch(kernel: Any, kernel_args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if kwargs.get("warmup"):  # a compilation ahead of time, no launch
+            return
         options = {name: value for name, value in kwargs.items()
                    if name not in ("grid", "warmup")}
         wrap_triton(kernel)[kwargs["grid"]](*kernel_args, **options)

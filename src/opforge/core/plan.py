@@ -456,8 +456,12 @@ class Plan:
         else:
             outputs = [out] if isinstance(out, torch.Tensor) else list(out)
         if not self._empty:
-            scratch = (torch.empty(self.workspace_bytes, dtype=torch.uint8,
-                                   device=outputs[0].device) if self.workspace_bytes else None)
+            scratch = None
+            if self.workspace_bytes:
+                scratch = torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                      device=outputs[0].device)
+                if workspace_pool.poison:  # as the pool's fresh buffers
+                    scratch.fill_(0xFF)
             trace_launches(self._held.launcher, (self, tensors, outputs, scratch))
         return outputs
 

@@ -51,6 +51,7 @@ block at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -241,15 +242,37 @@ def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
 
 
 def _visible_pairs(sq: int, sk: int, limits: Limits) -> int:
-    """(query, key) pairs a head computes: those within the ``limits`` (`key_limits`)."""
+    """(query, key) pairs a head computes: those within the ``limits`` (`key_limits`).
+    Host arithmetic only (a plan may be made while a compiler traces, where torch's
+    operators make fake tensors)."""
     before, after = limits
     if before is None and after is None:
         return sq * sk
-    diagonal = torch.arange(sq, dtype=torch.int64) + (sk - sq)
-    first = torch.zeros_like(diagonal) if before is None else (diagonal - before).clamp(min=0)
-    last = torch.full_like(diagonal, sk - 1) if after is None \
-        else (diagonal + after).clamp(max=sk - 1)
-    return int((last - first + 1).clamp(min=0).sum())
+    offset = sk - sq  # query row i's diagonal key
+
+    def keys(row: int) -> int:
+        first = 0 if before is None else max(row + offset - before, 0)
+        last = sk - 1 if after is None else min(row + offset + after, sk - 1)
+        return last - first + 1
+
+    # The rows split where a clamp starts or stops binding; on each piece a row's count
+    # of keys is linear (slope -1, 0 or 1), summed in closed form where it is positive.
+    cuts = {0, sq}
+    if before is not None:
+        cuts.add(min(max(before - offset, 0), sq))
+    if after is not None:
+        cuts.add(min(max(sk - 1 - after - offset, 0), sq))
+    total = 0
+    for start, stop in itertools.pairwise(sorted(cuts)):
+        low, high = keys(start), keys(stop - 1)
+        if low <= 0 and high <= 0:
+            continue
+        if low <= 0:  # rising through zero inside the piece
+            start, low = start + 1 - low, 1
+        elif high <= 0:  # falling through zero
+            stop, high = stop - 1 + high, 1
+        total += (low + high) * (stop - start) // 2
+    return total
 
 
 def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
