@@ -139,47 +139,42 @@ needs_cuda = pytest.mark.skipif(DEVICE.type != "cuda",
                                 reason="compiles Triton launches for a GPU")
 
 
-@needs_cuda
-@pytest.mark.parametrize("shard", range(SHARDS))
-def test_compiled_calls_on_a_gpu_equal_eager_calls(shard):
+def _compiled_against_eager(label: str, name: str, run: Any, function: Any,
+                            inputs: list[Any]) -> list[str]:
+    """What fails when ``run(function, inputs)`` runs ``function`` compiled instead of
+    eagerly: a call left to the operator (the compiled code calls it), or a result not
+    bit for bit the eager one."""
     from torch._inductor.utils import run_and_get_code
 
+    torch._dynamo.reset()
+    got, code = run_and_get_code(run, torch.compile(function, fullgraph=True), inputs)
+    failures = []
+    if "torch.ops.opforge" in "\n".join(code) and name not in DESCRIPTOR_READERS:
+        failures.append(f"{label}: the compiled code calls an operator")
+    mismatch = _mismatches(got, run(function, inputs))
+    if mismatch:
+        failures.append(f"{label}: {mismatch}")
+    return failures
+
+
+def _called(function: Any, inputs: list[Any]) -> Any:
+    return function(*inputs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shard", range(SHARDS))
+@pytest.mark.parametrize("gradients", [False, True], ids=["forward", "forward+backward"])
+def test_compiled_calls_on_a_gpu_equal_eager_calls(shard, gradients):
+    # With gradients, the backward runs the graph AOTAutograd compiled for it: the
+    # backward operators' launches, traced too.
     failures = []
     for name in TRACED[shard::SHARDS]:
         op = opforge.get_op(name)
-        for dtype in (torch.float32, torch.bfloat16):
-            inputs, attrs = _sample(op, dtype)
-            torch._dynamo.reset()
-            compiled = torch.compile(_calling(op, attrs), fullgraph=True)
-            got, code = run_and_get_code(compiled, *inputs)
-            if "torch.ops.opforge" in "\n".join(code) and name not in DESCRIPTOR_READERS:
-                failures.append(f"{name} {dtype}: the compiled code calls the operator")
-            mismatch = _mismatches(got, op(*inputs, *attrs))
-            if mismatch:
-                failures.append(f"{name} {dtype}: {mismatch}")
-    assert not failures, "\n".join(failures)
-
-
-@needs_cuda
-@pytest.mark.parametrize("shard", range(SHARDS))
-def test_compiled_forward_and_backward_on_a_gpu_equal_eager_ones(shard):
-    # The backward runs the graph AOTAutograd compiled for it: the backward operators'
-    # launches, traced too.
-    from torch._inductor.utils import run_and_get_code
-
-    failures = []
-    for name in TRACED[shard::SHARDS]:
-        op = opforge.get_op(name)
-        if op.backward_fn is None:
+        if gradients and op.backward_fn is None:
             continue
-        inputs, attrs = _sample(op, torch.float32)
-        forward = _calling(op, attrs)
-        torch._dynamo.reset()
-        compiled = torch.compile(forward, fullgraph=True)
-        got, code = run_and_get_code(_with_gradients, compiled, inputs)
-        if "torch.ops.opforge" in "\n".join(code) and name not in DESCRIPTOR_READERS:
-            failures.append(f"{name}: the compiled forward or backward calls an operator")
-        mismatch = _mismatches(got, _with_gradients(forward, inputs))
-        if mismatch:
-            failures.append(f"{op.name}: {mismatch}")
+        for dtype in (torch.float32,) if gradients else (torch.float32, torch.bfloat16):
+            inputs, attrs = _sample(op, dtype)
+            failures += _compiled_against_eager(
+                f"{name} {dtype}", name, _with_gradients if gradients else _called,
+                _calling(op, attrs), inputs)
     assert not failures, "\n".join(failures)
