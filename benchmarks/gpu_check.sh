@@ -39,8 +39,8 @@
 #                  use), and the monitor's model split over CPU and GPU
 #   verify         `opforge verify` of every operator's samples on CUDA (Triton backend)
 #   replay         benchmarks/replay.py
-#   host_overhead  benchmarks/host_overhead.py --device cuda: host µs per call and layer
-#                  with real launches (~30 s)
+#   host_overhead  benchmarks/host_overhead.py --device cuda $HOST_ARGS: host µs per call
+#                  and layer with real launches, compiled calls traced and opaque (~60 s)
 #   profiler_tests tests/test_profiler.py (its model profile runs on the GPU there)
 #   profile        `opforge profile` of examples/tiny_moe_lm/train.py (bf16, width 512)
 #                  into profile_tiny_moe_lm/
@@ -163,8 +163,8 @@ step tests "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -v -p no:cacheprovider -n
 step verify "${VERIFY_TIMEOUT:-170}" "$PYTHON" -m opforge verify --device cuda \
   --backend triton --cases samples --report "$OUT/verify" ${VERIFY_ARGS:-}
 step replay "${REPLAY_TIMEOUT:-60}" "$PYTHON" benchmarks/replay.py --calls 1000 --out "$OUT"
-step host_overhead "${HOST_TIMEOUT:-60}" "$PYTHON" benchmarks/host_overhead.py --device cuda \
-  --calls 500 --repeats 5 --out "$OUT"
+step host_overhead "${HOST_TIMEOUT:-120}" "$PYTHON" benchmarks/host_overhead.py --device cuda \
+  --calls 500 --repeats 5 --out "$OUT" ${HOST_ARGS:-}
 step profiler_tests "${PROFILER_TESTS_TIMEOUT:-120}" "$PYTHON" -m pytest -q -x \
   -p no:cacheprovider tests/test_profiler.py
 step profile "${PROFILE_TIMEOUT:-120}" "$PYTHON" -m opforge profile \
