@@ -19,8 +19,8 @@ are real and each repeat ends with a synchronisation. Rows, per operator:
   the floor (its backward replays the backward launches opforge makes), opforge, torch
 * ``compiled torch``, ``compiled opforge``: ``torch.compile(fullgraph=True)`` of a function
   making the one call (opforge's operator, or its torch peer; a peer that breaks the graph
-  is compiled without fullgraph, and its row says so); on a GPU opforge's call is traced
-  into its kernel launches, and ``compiled opaque`` compiles it as one opaque operator
+  is compiled without fullgraph, and its row says so); on a GPU ``compiled traced``
+  compiles opforge's call with ``OPFORGE_TRACE_COMPILED=1``: traced into its kernel launches
 
 The ratios the targets name (functional / floor, fwd+bwd / floor fwd+bwd, run(out=) /
 direct launch, compiled opforge / compiled torch) are printed in a second table.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ import opforge
 from opforge.core import backends
 from opforge.core.opdef import Case, OpDef
 from opforge.core.plan import Plan
+from opforge.library import TRACE_VARIABLE
 from opforge.ops.mla_prolog import mla_inputs
 from opforge.profiler.results import environment, write_results
 
@@ -350,10 +352,10 @@ def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
         layers.append(("compiled opforge", _compiled(
             lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
         if device.type == "cuda":
-            # The same call kept as one opaque operator (as torch.export keeps it): what
-            # tracing it into its launches saves.
-            with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-                layers.append(("compiled opaque", _compiled(
+            # The same call traced into its kernel launches (OPFORGE_TRACE_COMPILED): what
+            # the tracing saves against the opaque operator above.
+            with mock.patch.dict(os.environ, {TRACE_VARIABLE: "1"}):
+                layers.append(("compiled traced", _compiled(
                     lambda *t: opdef(*t, *attrs.values()), tensors, fullgraph=True)))
     timed = per_call_us({layer: call for layer, call in layers if callable(call)}, calls,
                         repeats, device)
@@ -370,7 +372,8 @@ def measure(opdef: OpDef, device: torch.device, calls: int, repeats: int,
 
 
 TARGETS = (("functional", "floor", 1.3), ("fwd+bwd", "floor fwd+bwd", 1.3),
-           ("run(out=)", "direct launch", 1.1), ("compiled opforge", "compiled torch", 1.5))
+           ("run(out=)", "direct launch", 1.1), ("compiled opforge", "compiled torch", 1.5),
+           ("compiled traced", "compiled torch", 1.5))
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -2,12 +2,17 @@
 each operator's first float32 sample traced as AOTAutograd traces a compiled call
 (FunctionalTensorMode over fake CUDA tensors, Triton's analysis against a stand-in sm_90
 driver, tiled for the H200), beside the launches its eager call records on CPU tensors.
-Prints one JSON object per operator (`test_compiled_launches.py` reads them)."""
+Prints one JSON object per operator (`test_compiled_launches.py` reads them).
+
+    python -m tests.compiled_trace [--default OP ...]
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from typing import Any
 from unittest import mock
 
@@ -25,6 +30,7 @@ from opforge.aot import _StandInDriver
 from opforge.core import backends, launches
 from opforge.core.hardware import use_hardware
 from opforge.core.plan import Plan
+from opforge.library import TRACE_VARIABLE
 
 WRAPPER = "triton_kernel_wrapper_functional"
 
@@ -153,13 +159,18 @@ def trace(op: opforge.OpDef) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Every operator traced with ``OPFORGE_TRACE_COMPILED=1``; with ``--default OP ...``
+    those operators as the environment has it (unset: the default)."""
+    named = sys.argv[2:] if sys.argv[1:2] == ["--default"] else None
+    if named is None:
+        os.environ[TRACE_VARIABLE] = "1"
     logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
     driver.set_active(_Driver(GPUTarget("cuda", 90, 32)))
     with mock.patch.object(backends, "_triton_refusal", lambda device: None), \
             mock.patch.object(Plan, "traced", _recording_refusals(Plan.traced)), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)), \
             backends.use_backend("triton"), use_hardware("h200"):
-        for op in opforge.list_ops():
+        for op in opforge.list_ops() if named is None else map(opforge.get_op, named):
             try:
                 print(json.dumps(trace(op)), flush=True)
             except Exception as error:  # reported, and the test names it

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import opforge
+from opforge.library import TRACE_VARIABLE
 
 from .conftest import DEVICE
 
@@ -38,18 +39,31 @@ OPS = [op.name for op in opforge.list_ops()]
 TRACED = sorted(set(OPS) - set(OPAQUE))
 
 
-@pytest.fixture(scope="module")
-def traces() -> dict[str, dict[str, Any]]:
+def _traced(*arguments: str) -> dict[str, dict[str, Any]]:
+    """`tests/compiled_trace.py`'s records by operator, run with compiled kernels and
+    without ``OPFORGE_TRACE_COMPILED`` in the environment (it sets it itself)."""
     root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.compiled_trace"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", TRACE_VARIABLE)}
+    done = subprocess.run([sys.executable, "-m", "tests.compiled_trace", *arguments],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     found = {}
     for line in done.stdout.splitlines():
         record = json.loads(line)
         found[record["op"]] = record
     return found
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, dict[str, Any]]:
+    return _traced()
+
+
+def test_compiled_calls_stay_opaque_by_default():
+    for name, record in _traced("--default", "softmax", "rms_norm_backward").items():
+        for case in record["cases"]:
+            if case["backend"] == "triton" and not case["empty"]:
+                assert not case["traced"] and f"opforge.{name}.default" in case["opaque"]
 
 
 def _comparable(launch: dict[str, Any], arguments: bool = True) -> tuple[Any, ...]:
@@ -164,9 +178,10 @@ def _called(function: Any, inputs: list[Any]) -> Any:
 @needs_cuda
 @pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("gradients", [False, True], ids=["forward", "forward+backward"])
-def test_compiled_calls_on_a_gpu_equal_eager_calls(shard, gradients):
+def test_compiled_calls_on_a_gpu_equal_eager_calls(shard, gradients, monkeypatch):
     # With gradients, the backward runs the graph AOTAutograd compiled for it: the
     # backward operators' launches, traced too.
+    monkeypatch.setenv(TRACE_VARIABLE, "1")
     failures = []
     for name in TRACED[shard::SHARDS]:
         op = opforge.get_op(name)

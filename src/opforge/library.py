@@ -4,10 +4,11 @@ The schema, the fake implementation and the autocast rule are derived from the O
 real implementation is ``plan(...).run(...)``; the autograd formula is the one the operator
 module attached with `OpDef.autograd`. The op works in eager mode, under
 ``torch.compile(fullgraph=True)``, with ``torch.export`` and with `torch.library.opcheck`.
-Compiled for a CUDA device with static shapes, a call on the Triton backend is traced into
-its kernel launches (`Plan.traced`, the decomposition `torch.library.triton_op` makes), so
-the compiled program launches the kernels itself; every other compiled call keeps the op as
-one opaque node, whose fake gives the shapes (symbolic ones included).
+With ``OPFORGE_TRACE_COMPILED=1``, a call compiled for a CUDA device with static shapes on
+the Triton backend is traced into its kernel launches (`Plan.traced`, the decomposition
+`torch.library.triton_op` makes), so the compiled program launches the kernels itself;
+every other compiled call keeps the op as one opaque node, whose fake gives the shapes
+(symbolic ones included).
 
 Registration is the one `torch.library.custom_op` makes (a schema tagged pt2-compliant, a
 ``CompositeExplicitAutograd`` kernel, a fake, an ``Autograd`` kernel applying an
@@ -22,6 +23,7 @@ equal to their defaults before a kernel sees them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -229,6 +231,18 @@ except ImportError:  # pragma: no cover - a torch without it: compiled calls sta
     FunctionalTensorMode = FunctionalTensor = None
 
 
+# Opt-in until a GPU run has compiled every traced operator (tests/test_compiled_launches.py
+# on CUDA): a launch Inductor cannot compile would fail the whole compile.
+TRACE_VARIABLE = "OPFORGE_TRACE_COMPILED"
+
+
+def tracing_compiled_calls() -> bool:
+    """Whether calls compiled for a CUDA device are traced into their kernel launches:
+    ``OPFORGE_TRACE_COMPILED`` is ``1``, ``true``, ``yes`` or ``on``, read when a call is
+    compiled (default off: one opaque operator)."""
+    return os.environ.get(TRACE_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _static_cuda(types: Sequence[type], tensors: Sequence[Any]) -> bool:
     """Whether a traced call can be decomposed: plain or functional tensors, all on a
     CUDA device (Inductor compiles Triton launches for it), every size and stride an int
@@ -260,7 +274,8 @@ def _decomposition(opdef: OpDef, full: Callable[[tuple[Any, ...]], tuple[Any, ..
         # With autotuning on, the call stays opaque: its tiling is timed on the first real
         # call (a plan made here, on fake tensors, would take the first fitting tiling
         # and be cached for eager calls too).
-        if _static_cuda(types, called[:count]) and not autotune.autotune_enabled():
+        if tracing_compiled_calls() and _static_cuda(types, called[:count]) \
+                and not autotune.autotune_enabled():
             # Whatever fails here leaves the call to the opaque operator, which raises what
             # a real call raises. The launchers' host reads of addresses (tensor
             # descriptors' alignment) and data come before their first launch, so a failed
