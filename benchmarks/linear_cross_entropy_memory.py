@@ -5,7 +5,7 @@ For hidden states ``[N, H]``, an output head ``[V, H]`` and int64 targets (a ten
 ignored), one forward + backward (mean loss, gradients of both) of
 
 - ``torch.nn.functional.cross_entropy(hidden @ weight.T, target)`` (the logits held),
-- ``opforge.fused_linear_cross_entropy`` (chunks of tokens),
+- ``opforge.fused_linear_cross_entropy`` (blocks of classes),
 - Liger-Kernel's fused linear cross-entropy, when installed (CUDA only),
 
 reports the peak of the memory allocated during the step above what was allocated before
@@ -98,11 +98,11 @@ def fused_planned(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     """`fused` as its two plans run (the forward, then the backward of the mean): the
     CPU's dispatch-mode count sees inside a plan run directly, not inside an operator
     called through the dispatcher."""
-    loss = opforge.plan("fused_linear_cross_entropy", hidden, weight, target).run(
+    loss, lse = opforge.plan("fused_linear_cross_entropy", hidden, weight, target).run(
         hidden, weight, target)
     grad = torch.ones((), dtype=loss.dtype)
     return (loss, *opforge.plan("fused_linear_cross_entropy_backward", grad, hidden, weight,
-                                target).run(grad, hidden, weight, target))
+                                target, lse).run(grad, hidden, weight, target, lse))
 
 
 def liger() -> Step | None:

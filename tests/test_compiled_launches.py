@@ -31,8 +31,8 @@ OPAQUE = {
     "cross_entropy": "checks its targets' range on the host",
     "cross_entropy_backward": "checks its targets' range on the host",
     "embedding_dense_grad": "checks its indices' range on the host",
-    "fused_linear_cross_entropy": "checks its targets on the host, chunks by composite steps",
-    "fused_linear_cross_entropy_backward": "checks its targets on the host, chunks by steps",
+    "fused_linear_cross_entropy": "checks its targets on the host, class blocks by composite steps",
+    "fused_linear_cross_entropy_backward": "checks its targets on the host, class blocks by steps",
     "mla_prolog": "writes its caches in place",
 }
 OPS = [op.name for op in opforge.list_ops()]

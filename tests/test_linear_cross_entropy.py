@@ -1,5 +1,5 @@
 """fused_linear_cross_entropy: torch's cross_entropy of hidden @ weight.T (reductions,
-ignore_index, label smoothing) in chunks of tokens, forward and backward, the float64
+ignore_index, label smoothing) in blocks of classes, forward and backward, the float64
 golden, no tensor of the logits' size, and its errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opforge
 from opforge.core.errors import DtypeError, IndexRangeError, ShapeError
-from opforge.ops.linear_cross_entropy import chunk_rows
+from opforge.ops.linear_cross_entropy import class_block
 
 from .conftest import DEVICE, LOW_PRECISION, assert_golden
 
@@ -32,12 +32,12 @@ def _draw(tokens: int, hidden_size: int, classes: int, seed: int = 0,
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.15])
-def test_loss_and_gradients_are_torch_s_through_several_chunks(reduction, smoothing,
+def test_loss_and_gradients_are_torch_s_through_several_blocks(reduction, smoothing,
                                                                backend):
-    """Against torch's cross_entropy of the float64 product: 150 tokens in chunks of 64
-    (two full chunks and a tail), the loss and both gradients of a random weighting."""
+    """Against torch's cross_entropy of the float64 product: 200 classes in blocks of 86
+    (two full blocks and a tail), the loss and both gradients of a random weighting."""
     hidden, weight, target = _draw(150, 40, 200)
-    assert chunk_rows(150, 40, 200) == 64
+    assert class_block(150, 40, 200) == 86
     leaves = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
     loss = opforge.fused_linear_cross_entropy(*leaves, target, reduction=reduction,
                                               label_smoothing=smoothing)
@@ -63,6 +63,22 @@ def test_low_precision_matches_the_golden(dtype, backend):
                 *case.inputs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_forward_s_lse_is_the_one_the_backward_would_merge(dtype, backend):
+    """The backward's gradient from the forward's lse (three products) is bitwise the one
+    it computes after merging the lse again (four): the forward and the backward make the
+    logits by the same matmul steps, so the softmax the gradient uses sums to 1 as the
+    forward's did. 150 tokens, 200 classes in blocks of 86 and a tail."""
+    hidden, weight, target = _draw(150, 40, 200, dtype=dtype)
+    assert class_block(150, 40, 200) == 86
+    grad = torch.randn((), generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    lse = FORWARD(hidden, weight, target, -100, "mean", 0.1)[1]
+    with_lse = BACKWARD(grad, hidden, weight, target, lse, -100, "mean", 0.1)
+    merged = BACKWARD(grad, hidden, weight, target, None, -100, "mean", 0.1)
+    for given, own in zip(with_lse, merged, strict=True):
+        assert torch.equal(given, own)
+
+
 class _Sizes(TorchDispatchMode):
     """The largest tensor any operator inside the block returns, in bytes."""
 
@@ -81,15 +97,16 @@ class _Sizes(TorchDispatchMode):
 def test_no_tensor_holds_the_logits(backend):
     """With 1024 tokens, 32 features and 2048 classes, the largest tensor the forward's or
     the backward's plan makes (their steps' outputs, workspaces and every temporary: the
-    plans run directly, so the mode sees inside them) holds one chunk's logits, 64 rows
-    of float32, a 16th of the whole; the unfused pair's largest is all of them."""
+    plans run directly, so the mode sees inside them) holds one block's logits, 128 classes
+    over all tokens in float32, a 16th of the whole; the unfused pair's largest is all of them."""
     hidden, weight, target = _draw(1024, 32, 2048)
     grad = torch.ones((), device=DEVICE)
     forward = opforge.plan(FORWARD, hidden, weight, target)
-    backward = opforge.plan(BACKWARD, grad, hidden, weight, target)
+    lse = forward.run(hidden, weight, target)[1]
+    backward = opforge.plan(BACKWARD, grad, hidden, weight, target, lse)
     with _Sizes() as sizes:
         forward.run(hidden, weight, target)
-        backward.run(grad, hidden, weight, target)
+        backward.run(grad, hidden, weight, target, lse)
     assert sizes.largest == 64 * 2048 * 4
     with _Sizes() as unfused:
         torch.nn.functional.cross_entropy(hidden @ weight.T, target)

@@ -1,27 +1,30 @@
 """Fused linear cross-entropy: the loss of a language model's head without its logits.
 
     fused_linear_cross_entropy(hidden [N, H], weight [V, H], target [N])
-        = cross_entropy(hidden @ weight.T, target)  -> loss
+        = cross_entropy(hidden @ weight.T, target)  -> loss (and each row's lse)
 
 The logits of N tokens over a vocabulary of V (8k tokens x 128k classes: 2 GiB in
-bfloat16, and as much again for their gradient) are never held whole. The tokens go in
-chunks of C rows, C chosen so that a chunk's logits hold about as many elements as
-``hidden`` (at least `MIN_CHUNK` rows): each chunk's logits come from opforge's matmul,
-its log-sum-exp from `cross_entropy`, and its row losses
-``lse - (1 - eps) x_t - eps mean(x)`` in float32 from them; the reduction sums the float32
-rows in a fixed order (``mean``: over the rows not ignored).
+bfloat16, and as much again for their gradient) are never held whole. The classes go in
+blocks of B, over all tokens at once, B chosen so that a block's logits hold about as many
+elements as ``hidden`` (as many as `MIN_BLOCK_ROWS` tokens' logits at least): each block's
+logits come from opforge's matmul (for 16-bit inputs its float32 accumulator, unrounded:
+the loss is then more accurate than the unfused pair's, whose logits are rounded to 16
+bits); each row's log-sum-exp is merged across the blocks (log-add-exp), its target's
+logit picked from its block and, for label smoothing, its logits summed. The row losses
+``lse - (1 - eps) x_t - eps mean(x)`` are float32; the reduction sums them in a fixed
+order (``mean``: over the rows not ignored). Each row's float32 lse is the second output,
+which the backward takes.
 
-The backward makes two passes, each holding about as many logits as a forward chunk.
-Over the chunks of tokens it recomputes each chunk's logits and their log-sum-exp (a
-forward that kept the lse would hand it over in float32, computed from logits rounded to
-the inputs' dtype), their gradient by `cross_entropy_backward` and ``grad_hidden =
-grad_logits @ weight``, and keeps every row's lse. Over blocks of classes (all tokens
-at once, the block's logits as large as a chunk's) it recomputes the block's logits, their
-gradient from the kept lse (``w (softmax - (1 - eps) onehot - eps / V)``, 0 on ignored
-rows) and ``grad_weight[block] = grad_logits.T @ hidden``. Each gradient element is thus
-one product, accumulated in float32 inside the matmul and rounded once, and nothing of
-size [V, H] or [N, V] is held beyond the gradients themselves: five products in all (the
-logits made three times) against the unfused pair's three.
+The backward makes one pass over the same blocks: it recomputes the block's logits by the
+same matmul steps (bitwise the forward's, so the softmax it takes from the forward's lse
+sums to 1 as the forward's did), their gradient ``w (softmax - (1 - eps) onehot - eps /
+V)`` (0 on ignored rows), ``grad_weight[block] = grad_logits.T @ hidden`` (the whole sum
+over tokens inside one matmul, rounded once) and ``grad_logits @ weight[block]``, added to
+``grad_hidden`` in float32 (for 16-bit inputs the matmul's float32 accumulators, rounded
+once at the end). Nothing of size [V, H] or [N, V] is held beyond the gradients
+themselves: four products in all (the logits made twice) against the unfused pair's
+three. Without the forward's lse (a backward called alone) a first pass merges it again:
+five products.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from opforge.core import backends
 from opforge.core.errors import DtypeError, ShapeError
 from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
@@ -51,37 +53,41 @@ from opforge.library import register_op
 from opforge.ops import cross_entropy
 from opforge.ops._elementwise import random_input
 from opforge.ops._rows import SHARED_ROW_STATISTIC
+from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
 from opforge.precision.cases import generate
 
 NAME = "fused_linear_cross_entropy"
 BACKWARD_NAME = "fused_linear_cross_entropy_backward"
-# Rows a chunk takes at least: a matmul of fewer rows leaves the tensor cores idle.
-MIN_CHUNK = 64
+# A block holds at least as many logits as this many tokens' rows: fewer classes a block
+# would make the products too thin to keep the tensor cores busy.
+MIN_BLOCK_ROWS = 64
 # The precision sweep's one shape of hidden, and its head's classes.
 SWEEP_SHAPE = (33, 17)
 SWEEP_CLASSES = 257
 OVERFLOWING_LOGITS = KnownLimitation(
-    "The logits are dot products of hidden and weight rows: inputs near the dtype's maximum "
-    "give logits beyond its range (Inf, then NaN or Inf in the loss and its gradients) where "
-    "the float64 golden is finite; torch's unfused pair overflows alike.",
-    case="large_*", failures="*NaN/Inf*")
+    "The logits are dot products of hidden and weight rows: float32 and bfloat16 inputs near "
+    "their maximum give logits beyond float32's range (Inf, then NaN or Inf in the loss and "
+    "its gradients) where the float64 golden is finite; torch's unfused pair overflows "
+    "alike.", case="large_*", failures="*NaN/Inf*")
+PEER_OVERFLOWS = KnownLimitation(
+    "16-bit inputs near the dtype's maximum give logits beyond its range: torch's unfused "
+    "pair rounds them to Inf (a NaN loss and gradients) where opforge's float32 logits stay "
+    "finite, within a few of the dtype's eps of the golden; the error ratios against the "
+    "peer then compare with none of its elements.", case="large_*", dtype="float16",
+    failures="*ratio*")
 
 
 def _geometry(inputs: Specs) -> tuple[int, int, int]:
     """(tokens N, hidden size H, classes V)."""
-    hidden, weight = (inputs[1], inputs[2]) if len(inputs) == 4 else inputs[:2]
+    hidden, weight = (inputs[1], inputs[2]) if len(inputs) == 5 else inputs[:2]
     return hidden.shape[0], hidden.shape[1], weight.shape[0]
 
 
-def chunk_rows(tokens: int, hidden_size: int, classes: int) -> int:
-    """Rows of a chunk: its logits about as large as ``hidden``, at least `MIN_CHUNK`."""
-    return max(1, min(tokens, max(MIN_CHUNK, cdiv(tokens * hidden_size, max(classes, 1)))))
-
-
 def class_block(tokens: int, hidden_size: int, classes: int) -> int:
-    """Classes of a backward block: its logits over all tokens as large as a chunk's."""
-    chunk = chunk_rows(tokens, hidden_size, classes)
-    return max(1, min(classes, cdiv(chunk * classes, max(tokens, 1))))
+    """Classes of a block: its logits over all tokens about as large as ``hidden``, and as
+    large as `MIN_BLOCK_ROWS` tokens' logits at least."""
+    rows = max(1, min(tokens, max(MIN_BLOCK_ROWS, cdiv(tokens * hidden_size, max(classes, 1)))))
+    return max(1, min(classes, cdiv(rows * classes, max(tokens, 1))))
 
 
 def _check(op: str, backward: bool) -> object:
@@ -105,26 +111,33 @@ def _check(op: str, backward: bool) -> object:
             raise ShapeError("must hold one class index per row of hidden", op=op,
                              param="target", expected=(rows,), got=tuple(target.shape))
         if backward:
+            grad, lse = inputs[0], inputs[4]
             want = (rows,) if attrs["reduction"] == "none" else ()
-            if tuple(inputs[0].shape) != want:
+            if tuple(grad.shape) != want:
                 raise ShapeError("must have the loss's shape", op=op, param="grad",
-                                 expected=want, got=tuple(inputs[0].shape))
+                                 expected=want, got=tuple(grad.shape))
+            if lse is not None and tuple(lse.shape) != (rows,):
+                raise ShapeError("must hold one log-sum-exp per row of hidden", op=op,
+                                 param="lse", expected=(rows,), got=tuple(lse.shape))
+            check_statistics(op, hidden, [("lse", lse)])
     return check
 
 
 def _check_values(plan: object, inputs: Sequence[torch.Tensor | None]) -> None:
-    """Every target is a class or ``ignore_index`` (one host read for all chunks)."""
-    cross_entropy.check_targets(plan, inputs[3 if len(inputs) == 4 else 2],
+    """Every target is a class or ``ignore_index`` (one host read for all blocks)."""
+    cross_entropy.check_targets(plan, inputs[3 if len(inputs) == 5 else 2],
                                 _geometry(plan.inputs)[2])
 
 
 def _cost(backward: bool) -> object:
-    """The products' FLOPs (one forward, four backward) and the least bytes: hidden,
-    weight, target (and the loss's gradient) read once, the outputs written once."""
+    """The products' FLOPs (one forward; three backward, four without the forward's lse)
+    and the least bytes: hidden, weight, target (and the loss's gradient and lse) read
+    once, the outputs written once."""
     def cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
         tokens, hidden_size, classes = _geometry(inputs)
-        products = 4 if backward else 1
-        moved = sum(spec.numel * spec.itemsize for spec in (*inputs, *outputs))
+        products = (3 if inputs[4] is not None else 4) if backward else 1
+        moved = sum(spec.numel * spec.itemsize for spec in (*inputs, *outputs)
+                    if spec is not None)
         return Cost(flops=products * 2 * tokens * hidden_size * classes
                     + 5 * tokens * classes, bytes_moved=moved)
     return cost
@@ -132,16 +145,13 @@ def _cost(backward: bool) -> object:
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    """One variant: chunks of `chunk_rows` tokens, blocks of `class_block` classes (the
-    steps keep their own tiles)."""
-    geometry = _geometry(inputs)
-    return [Tiling("chunks", {"CHUNK": chunk_rows(*geometry),
-                              "CLASS_BLOCK": class_block(*geometry)}, 0)]
+    """One variant: blocks of `class_block` classes (the steps keep their own tiles)."""
+    return [Tiling("class_blocks", {"CLASS_BLOCK": class_block(*_geometry(inputs))}, 0)]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
-    return (cdiv(_geometry(inputs)[0], tiling.blocks["CHUNK"]),)
+    return (cdiv(_geometry(inputs)[2], tiling.blocks["CLASS_BLOCK"]),)
 
 
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -170,11 +180,11 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
 
 def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            generator: torch.Generator) -> list[Case]:
-    """At the kinds' 33 x 17 shape only (each case runs up to four products through the
-    interpreter: the sweep's other shapes would add minutes to the certificate; matmul's
-    and cross_entropy's own sweeps cover long and wide rows): hidden drawn from the kind,
-    a normal head of 257 classes scaled by H^-1/2, targets uniform with a tenth ignored,
-    the mean with label smoothing."""
+    """At the kinds' 33 x 17 shape only (each case runs up to three products a block
+    through the interpreter: the sweep's other shapes would add minutes to the certificate;
+    matmul's and cross_entropy's own sweeps cover long and wide rows): hidden drawn from the
+    kind, a normal head of 257 classes scaled by H^-1/2, targets uniform with a tenth
+    ignored, the mean with label smoothing."""
     if shape != SWEEP_SHAPE:
         return []
     hidden = generate(kind, shape, dtype, device=device, generator=generator)
@@ -191,13 +201,15 @@ def _backward_sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _backward_case(case: Case) -> Case:
-    """A backward call from a forward one: a gradient of the loss's shape."""
+    """A backward call from a forward one: a gradient of the loss's shape, no lse (any
+    lse but the forward's would disagree with the logits the backward recomputes, by their
+    rounding: the backward merges its own; tests check the forward's is bitwise that)."""
     hidden, weight, target = case.inputs
     generator = torch.Generator().manual_seed(hidden.numel() + 1)
     reduction = case.attrs.get("reduction", "mean")
     shape = (hidden.shape[0],) if reduction == "none" else ()
     grad = torch.randn(shape, generator=generator).to(hidden.device, hidden.dtype)
-    return Case(case.name, (grad, hidden, weight, target), case.attrs)
+    return Case(case.name, (grad, hidden, weight, target, None), case.attrs)
 
 
 def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
@@ -207,12 +219,12 @@ def _backward_samples(dtype: torch.dtype, device: torch.device, generator: torch
 
 def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Attrs,
                  golden: torch.Tensor, output: str) -> torch.Tensor:
-    """The logits are rounded once to the input dtype (eps times |hidden| |weight| each):
-    a loss is judged against cross_entropy's scale with those magnitudes in place of the
-    logits, a gradient against the products
+    """A product's error is relative to its terms' magnitudes (|hidden| |weight| for each
+    logit): a loss is judged against cross_entropy's scale with those magnitudes in place
+    of the logits, a gradient against the products
     of the row weights' spread with |weight| (grad_hidden) or |hidden| (grad_weight)."""
     if opdef.name == BACKWARD_NAME:
-        grad, hidden, weight, target = inputs
+        grad, hidden, weight, target, _ = inputs
         hidden64, weight64 = hidden.double(), weight.double()
         logits = hidden64 @ weight64.T
         if not logits.numel():
@@ -231,15 +243,15 @@ def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Att
 
 
 def _torch_peer(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                ignore_index: int, reduction: str, label_smoothing: float) -> torch.Tensor:
+                ignore_index: int, reduction: str, label_smoothing: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.nn.functional.cross_entropy of hidden @ weight.T"""
-    return torch.nn.functional.cross_entropy(hidden @ weight.T, target.long(),
-                                             ignore_index=ignore_index, reduction=reduction,
-                                             label_smoothing=label_smoothing)
+    return cross_entropy.torch_cross_entropy(hidden @ weight.T, target, ignore_index,
+                                             reduction, label_smoothing)
 
 
 def _torch_peer_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                         target: torch.Tensor, ignore_index: int,
+                         target: torch.Tensor, lse: torch.Tensor | None, ignore_index: int,
                          reduction: str, label_smoothing: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.autograd through torch.nn.functional.cross_entropy of hidden @ weight.T"""
@@ -252,24 +264,28 @@ def _torch_peer_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch
 
 
 FUSED_LINEAR_CROSS_ENTROPY = OpDef(
-    name=NAME, doc="cross_entropy(hidden @ weight.T, target) in chunks of tokens, the "
+    name=NAME, doc="cross_entropy(hidden @ weight.T, target) in blocks of classes, the "
                    "logits never held whole.",
     inputs=(TensorArg("hidden"), TensorArg("weight"),
             TensorArg("target", cross_entropy.INDEX_DTYPES)),
-    outputs=(OutputArg("loss"),), attrs=cross_entropy.ATTRS,
-    infer_shape=lambda inputs, attrs: cross_entropy.loss_shapes(inputs[0], attrs)[:1],
-    infer_dtype=lambda inputs, attrs: [inputs[0].dtype],
+    outputs=(OutputArg("loss"), OutputArg("lse", differentiable=False)),
+    attrs=cross_entropy.ATTRS,
+    infer_shape=lambda inputs, attrs: cross_entropy.loss_shapes(inputs[0], attrs),
+    infer_dtype=lambda inputs, attrs: [inputs[0].dtype, statistics_dtype(inputs[0].dtype)],
     check=_check(NAME, False), check_values=_check_values, cost=_cost(False),
     tiling=_tiling, grid=_grid, samples=_samples, error_scale=_error_scale,
     held_launches=False,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_peer, sweep=_sweep,
-                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS)))
+                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS,
+                                               PEER_OVERFLOWS)))
 
 FUSED_LINEAR_CROSS_ENTROPY_BACKWARD = OpDef(
     name=BACKWARD_NAME, doc="(grad_hidden, grad_weight) of fused_linear_cross_entropy, "
-                            "the logits recomputed chunk by chunk.",
+                            "the logits recomputed block by block of classes.",
     inputs=(TensorArg("grad"), TensorArg("hidden"), TensorArg("weight"),
-            TensorArg("target", cross_entropy.INDEX_DTYPES)),
+            TensorArg("target", cross_entropy.INDEX_DTYPES),
+            TensorArg("lse", STATISTICS_DTYPES, optional=True,
+                      doc="the forward's lse; None merges it again (one product more)")),
     outputs=(OutputArg("grad_hidden"), OutputArg("grad_weight")),
     attrs=cross_entropy.ATTRS,
     infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape), tuple(inputs[2].shape)],
@@ -279,7 +295,8 @@ FUSED_LINEAR_CROSS_ENTROPY_BACKWARD = OpDef(
     held_launches=False,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_peer_backward,
                             sweep=_backward_sweep,
-                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS)))
+                            known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS,
+                                               PEER_OVERFLOWS)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,17 +305,21 @@ FUSED_LINEAR_CROSS_ENTROPY_BACKWARD = OpDef(
 
 @FUSED_LINEAR_CROSS_ENTROPY.reference
 def reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-              compute_dtype: torch.dtype, **attrs: object) -> torch.Tensor:
-    """cross_entropy's reference of ``hidden @ weight.T`` in ``compute_dtype``."""
+              compute_dtype: torch.dtype, **attrs: object
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy's reference (loss, lse) of ``hidden @ weight.T`` in
+    ``compute_dtype``."""
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T
-    return cross_entropy.reference(logits, target, compute_dtype=compute_dtype, **attrs)[0]
+    return cross_entropy.reference(logits, target, compute_dtype=compute_dtype, **attrs)
 
 
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.reference
 def backward_reference(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                       target: torch.Tensor, *, compute_dtype: torch.dtype, **attrs: object
+                       target: torch.Tensor, lse: torch.Tensor | None, *,
+                       compute_dtype: torch.dtype, **attrs: object
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cross_entropy_backward's reference of the logits, through the product's rule."""
+    """cross_entropy_backward's reference of the logits, through the product's rule (with
+    their own lse: a given one is the forward's rounding of it)."""
     hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
     logits = hidden @ weight.T
     grad_logits = cross_entropy.backward_reference(grad, logits, target,
@@ -311,119 +332,118 @@ def backward_reference(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.T
 # Launchers (both backends: the steps run on the backend in use)
 
 
-def _blocks(plan: object, count: int, block: str) -> list[tuple[str, int, int]]:
-    """(step suffix, start, end) of each block of ``count`` rows (``block`` "CHUNK") or
-    classes ("CLASS_BLOCK"): the full blocks share one plan per step, the shorter last
-    block another."""
+def _blocks(plan: object) -> list[tuple[str, int, int]]:
+    """(step suffix, start, end) of each block of classes: the full blocks share one plan
+    per step, the shorter last block another."""
     geometry = _geometry(plan.inputs)
-    size = plan.tiling.blocks[block] if plan.tiling is not None else (
-        chunk_rows if block == "CHUNK" else class_block)(*geometry)
+    size = plan.tiling.blocks["CLASS_BLOCK"] if plan.tiling is not None \
+        else class_block(*geometry)
     return [("" if end - start == size else "_tail", start, end)
-            for start in range(0, count, size) for end in (min(start + size, count),)]
+            for start in range(0, geometry[2], size)
+            for end in (min(start + size, geometry[2]),)]
 
 
 def _dense(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs as contiguous tensors (a copy only of a strided view): each chunk's
+    """The inputs as contiguous tensors (a copy only of a strided view): each block's
     products then take the same path, so a view gives the contiguous call's bits."""
     return hidden.contiguous(), weight.contiguous(), target.contiguous()
 
 
-def _chunk_logits(plan: object, hidden: torch.Tensor, weight: torch.Tensor,
-                  target: torch.Tensor
-                  ) -> Iterator[tuple[str, int, int, torch.Tensor, torch.Tensor]]:
-    """(step suffix, first row, end row, logits, float32 lse) of each chunk, by a matmul
-    step and a cross_entropy step."""
-    row_attrs = {**plan.attrs, "reduction": "none"}
-    for suffix, start, end in _blocks(plan, hidden.shape[0], "CHUNK"):
-        logits = plan.run_step("logits" + suffix, "matmul", hidden[start:end], weight.T)
-        _, lse = plan.run_step("lse" + suffix, "cross_entropy", logits, target[start:end],
-                               **row_attrs)
-        yield suffix, start, end, logits, lse
-        # Freed before the next chunk's are made, here and by each caller: the peak
-        # holds one chunk's logits, not two.
-        del logits, lse
+def _class_blocks(plan: object, hidden: torch.Tensor, weight: torch.Tensor
+                  ) -> Iterator[tuple[str, int, int, torch.Tensor]]:
+    """(step suffix, first class, end class, logits) of each block of classes over all
+    tokens, by the same matmul steps in the forward and the backward, so that both passes
+    see bitwise the same logits (for 16-bit inputs the float32 accumulator, unrounded)."""
+    narrow = hidden.element_size() == 2
+    for suffix, start, end in _blocks(plan):
+        yield suffix, start, end, plan.run_step("block_logits" + suffix, "matmul", hidden,
+                                        weight[start:end].T, float32_out=narrow)
 
 
-def _row_losses(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                attrs: Attrs) -> torch.Tensor:
-    """The rows' float32 losses from their log-sum-exp (0 for an ignored row)."""
-    valid = target != attrs["ignore_index"]
-    picked = logits.gather(1, torch.where(valid, target, 0).long()[:, None])[:, 0]
-    smoothing = attrs["label_smoothing"]
-    loss = lse - (1 - smoothing) * picked.float()
-    if smoothing:
-        loss = loss - smoothing * logits.float().mean(-1)
-    return torch.where(valid, loss, 0.0)
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss and gradient arithmetic: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("torch")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
            outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """Chunk by chunk: the logits by matmul, their lse by cross_entropy, the row losses in
-    float32; then the reduction."""
+    """Block by block of classes: the logits by matmul, each row's lse merged across the
+    blocks (log-add-exp), the target's logit picked from its block and the logits' sum
+    (label smoothing); then the row losses and their reduction."""
     hidden, weight, target = _dense(*inputs)
-    (loss,) = outputs
-    attrs = plan.attrs
-    rows = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    # The targets were checked once for every chunk (`_check_values`).
-    with backends.device_side_checks():
-        for _, start, end, logits, lse in _chunk_logits(plan, hidden, weight, target):
-            rows[start:end] = _row_losses(logits, target[start:end], lse, attrs)
-            del logits, lse
+    loss, lse = outputs
+    attrs, classes, wide = plan.attrs, weight.shape[0], _wide(hidden.dtype)
+    valid = target != attrs["ignore_index"]
+    smoothing = attrs["label_smoothing"]
+    merged = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
+    picked = torch.zeros(target.shape, dtype=wide, device=hidden.device)
+    total = torch.zeros_like(picked)
+    for _, start, end, logits in _class_blocks(plan, hidden, weight):
+        x = logits.to(wide)
+        del logits
+        torch.logaddexp(merged, torch.logsumexp(x, -1), out=merged)
+        inside = valid & (target >= start) & (target < end)
+        column = torch.where(inside, target - start, 0).long()[:, None]
+        picked += torch.where(inside, x.gather(1, column)[:, 0], 0)
+        if smoothing:
+            total += x.sum(-1)
+        del x
+    lse.copy_(merged)
+    rows = torch.where(valid, merged - (1 - smoothing) * picked - smoothing * total / classes,
+                       0)
     if attrs["reduction"] == "none":
         loss.copy_(rows)
     elif attrs["reduction"] == "sum":
         loss.copy_(rows.sum())
     else:
-        loss.copy_(rows.sum() / (target != attrs["ignore_index"]).sum())
+        loss.copy_(rows.sum() / valid.sum())
 
 
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY_BACKWARD.launcher("torch")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
-    """Chunk by chunk of tokens: the logits and their lse again, their gradient by
-    cross_entropy_backward (each row weighted by the loss's gradient, divided by the rows
-    counted for ``mean``) and grad_hidden; then block by block of classes: the logits
-    again, their gradient from the kept lse and grad_weight."""
-    grad, (hidden, weight, target) = inputs[0], _dense(*inputs[1:])
+    """Block by block of classes, over all tokens: the block's logits again, their gradient
+    from the forward's lse (without one, a first pass over the blocks merges it), the
+    block's grad_weight, and its share of grad_hidden summed in float32."""
+    grad, (hidden, weight, target), lse = inputs[0], _dense(*inputs[1:4]), inputs[4]
     grad_hidden, grad_weight = outputs
-    attrs = plan.attrs
-    tokens, classes = hidden.shape[0], weight.shape[0]
-    valid = target != attrs["ignore_index"]
-    weights = grad.float()
-    if attrs["reduction"] == "mean":
-        weights = weights / valid.sum()
-    row_attrs = {**attrs, "reduction": "none" if attrs["reduction"] == "none" else "sum"}
-    lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    with backends.device_side_checks():
-        for suffix, start, end, logits, chunk_lse in _chunk_logits(plan, hidden, weight,
-                                                                    target):
-            lse[start:end] = chunk_lse
-            grad_logits = plan.run_step(
-                "grad_logits" + suffix, "cross_entropy_backward",
-                weights[start:end] if attrs["reduction"] == "none" else weights, logits,
-                target[start:end], chunk_lse, **row_attrs)
-            plan.run_step("grad_hidden" + suffix, "matmul", grad_logits, weight,
-                          out=grad_hidden[start:end])
-            del logits, chunk_lse, grad_logits
-    if not tokens:
+    if not hidden.shape[0]:
         grad_weight.zero_()
         return
+    wide = _wide(hidden.dtype)
+    if lse is None:
+        lse = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
+        for *_, logits in _class_blocks(plan, hidden, weight):
+            torch.logaddexp(lse, torch.logsumexp(logits.to(wide), -1), out=lse)
+            del logits
     # The block's gradient by cross_entropy's formula, in float32 (float64 for float64
-    # inputs), rounded once to the inputs' dtype.
-    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    for suffix, start, end in _blocks(plan, classes, "CLASS_BLOCK"):
-        logits = plan.run_step("block_logits" + suffix, "matmul", hidden,
-                               weight[start:end].T)
+    # inputs), rounded once to the inputs' dtype; 16-bit inputs' grad_hidden shares are
+    # the matmul's float32 accumulators, summed unrounded.
+    narrow = hidden.element_size() == 2
+    summed = torch.empty(grad_hidden.shape, dtype=wide, device=hidden.device) \
+        if narrow else grad_hidden
+    for index, (suffix, start, end, logits) in enumerate(_class_blocks(plan, hidden,
+                                                                        weight)):
         gradient = cross_entropy.backward_reference(
             grad, logits, target, lse, compute_dtype=wide, first_class=start,
-            classes=classes, **attrs).to(logits.dtype)
+            classes=weight.shape[0], **plan.attrs).to(hidden.dtype)
+        del logits
         plan.run_step("grad_weight" + suffix, "matmul", gradient.T, hidden,
                       out=grad_weight[start:end])
-        del logits, gradient
+        # The first block's share is the sum so far; each later one is added to it.
+        if index == 0:
+            plan.run_step("grad_hidden" + suffix, "matmul", gradient, weight[start:end],
+                          float32_out=narrow, out=summed)
+        else:
+            summed += plan.run_step("grad_hidden" + suffix, "matmul", gradient,
+                                    weight[start:end], float32_out=narrow)
+        del gradient
+    if narrow:
+        grad_hidden.copy_(summed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,19 +453,20 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: tuple[object, ...]
                    ) -> None:
     hidden, weight, target, *attrs = inputs
-    ctx.save_for_backward(hidden, weight, target)
+    ctx.save_for_backward(hidden, weight, target, output[1])
     ctx.attrs = attrs
 
 
 @FUSED_LINEAR_CROSS_ENTROPY.autograd(_setup_context)
-def backward(ctx: object, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """(grad_hidden, grad_weight) through `fused_linear_cross_entropy_backward`; the
-    target takes none."""
-    hidden, weight, target = ctx.saved_tensors
+def backward(ctx: object, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, ...]:
+    """(grad_hidden, grad_weight) through `fused_linear_cross_entropy_backward` with the
+    forward's lse; the target takes none."""
+    hidden, weight, target, lse = ctx.saved_tensors
     # The forward read these targets on the host; its backward does not read them again.
     with cross_entropy.checked_targets():
         grad_hidden, grad_weight = FUSED_LINEAR_CROSS_ENTROPY_BACKWARD(
-            grad_loss, hidden, weight, target, *ctx.attrs)
+            grad_loss, hidden, weight, target, lse, *ctx.attrs)
     needs = ctx.needs_input_grad
     return (grad_hidden if needs[0] else None, grad_weight if needs[1] else None, None,
             *(None for _ in ctx.attrs))
@@ -474,4 +495,4 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
         AttrError: ``reduction`` not none/mean/sum, ``label_smoothing`` outside [0, 1].
     """
     return FUSED_LINEAR_CROSS_ENTROPY(hidden, weight, target, ignore_index, reduction,
-                                      label_smoothing)
+                                      label_smoothing)[0]

@@ -1,9 +1,11 @@
 """Matmul with ``torch.matmul``'s rules and float32 accumulation.
 
-``matmul(a, b, allow_tf32=False)``: 1-D operands are promoted (``a`` to a row, ``b`` to a
-column) and the added dim dropped from the result; batch dims broadcast; both operands must
-have one dtype, which the result has. Tiles of ``BLOCK_M x BLOCK_K`` and ``BLOCK_K x
-BLOCK_N`` accumulate in float32 through ``tl.dot``; float32 inputs use IEEE products unless
+``matmul(a, b, allow_tf32=False, float32_out=False)``: 1-D operands are promoted (``a`` to a
+row, ``b`` to a column) and the added dim dropped from the result; batch dims broadcast; both
+operands must have one dtype, which the result has (float32 with ``float32_out``: the
+accumulator stored unrounded, for a caller that sums several products). Tiles of
+``BLOCK_M x BLOCK_K`` and ``BLOCK_K x BLOCK_N`` accumulate in float32 through ``tl.dot``;
+float32 inputs use IEEE products unless
 ``allow_tf32`` (then the tensor cores' tf32, ~10 mantissa bits per product). Output tiles
 are visited in groups of ``GROUP_M`` rows so that neighbouring programs share ``b`` tiles in
 the L2 cache. The tiling picks block sizes from M, N, K and the `HardwareProfile` (smaller
@@ -117,6 +119,9 @@ def _check(inputs: Specs, attrs: Attrs) -> None:
         raise DtypeError("must have a's dtype", op=NAME, param="b",
                          expected=str(a.dtype).removeprefix("torch."),
                          got=str(b.dtype).removeprefix("torch."))
+    if attrs["float32_out"] and a.dtype == torch.float64:
+        raise DtypeError("float32_out would round float64 products", op=NAME, param="a",
+                         expected="a 16-bit or float32 operand", got="float64")
     if not (is_unknown_rank(a.shape) or is_unknown_rank(b.shape)):
         _operands(a.shape, b.shape)
 
@@ -129,15 +134,15 @@ def _infer_shape(inputs: Specs, attrs: Attrs) -> list[tuple[int, ...]]:
 
 
 def _infer_dtype(inputs: Specs, attrs: Attrs) -> list[torch.dtype]:
-    return [inputs[0].dtype]
+    return [torch.float32 if attrs["float32_out"] else inputs[0].dtype]
 
 
 def _cost(inputs: Specs, outputs: Specs, attrs: Attrs) -> Cost:
     batch, m, k, n = _operands(inputs[0].shape, inputs[1].shape)
     count = math.prod(batch)
-    item = inputs[0].itemsize
     return Cost(flops=2 * count * m * n * k,
-                bytes_moved=item * (inputs[0].numel + inputs[1].numel + count * m * n))
+                bytes_moved=inputs[0].itemsize * (inputs[0].numel + inputs[1].numel)
+                + outputs[0].itemsize * count * m * n)
 
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
@@ -288,6 +293,8 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
         Case("tile_129x64x130", (x(129, 64), x(64, 130))),
         Case("zero_k", (x(4, 0), x(0, 6))),
         Case("zero_m", (x(0, 8), x(8, 6))),
+        *([Case("float32_out_k_300", (x(17, 300), x(300, 130)), {"float32_out": True})]
+          if dtype != torch.float64 else []),
     ]
 
 
@@ -308,9 +315,10 @@ def _abs_product_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attr
     return torch.matmul(a.abs(), b.abs()).reshape(golden.shape)
 
 
-def _torch_matmul(a: torch.Tensor, b: torch.Tensor, allow_tf32: bool) -> torch.Tensor:
-    """torch.matmul"""
-    return torch.matmul(a, b)
+def _torch_matmul(a: torch.Tensor, b: torch.Tensor, allow_tf32: bool, float32_out: bool
+                  ) -> torch.Tensor:
+    """torch.matmul (of float32 operands for ``float32_out``)"""
+    return torch.matmul(a.float(), b.float()) if float32_out else torch.matmul(a, b)
 
 
 def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -324,7 +332,9 @@ def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 MATMUL = OpDef(
     name=NAME, doc="a @ b with torch.matmul's rules, float32 accumulation.",
     inputs=(TensorArg("a"), TensorArg("b")), outputs=(OutputArg("out"),),
-    attrs=(Attr("allow_tf32", "bool", False, doc="float32 products in tf32 on GPUs"),),
+    attrs=(Attr("allow_tf32", "bool", False, doc="float32 products in tf32 on GPUs"),
+           Attr("float32_out", "bool", False,
+                doc="the float32 accumulator as the result, unrounded")),
     infer_shape=_infer_shape, infer_dtype=_infer_dtype, check=_check, cost=_cost,
     tiling=_tiling, grid=_grid, workspace=_workspace, kernel_costs=_kernel_costs,
     samples=_samples, autocast=AutocastPolicy.LOWER,
@@ -346,7 +356,7 @@ MATMUL = OpDef(
 
 @MATMUL.reference
 def reference(a: torch.Tensor, b: torch.Tensor, *, compute_dtype: torch.dtype,
-              allow_tf32: bool) -> torch.Tensor:
+              allow_tf32: bool, float32_out: bool) -> torch.Tensor:
     """``torch.matmul`` in ``compute_dtype``; 16-bit products are summed in float64 even
     at float32 (the torch backend), so that they round to the output within its half-ulp:
     a float32 BLAS adds in the order its CPU kernel chooses, and on one CPU 0.3% of a
@@ -572,7 +582,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
 
 
 def _setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
-    a, b, allow_tf32 = inputs
+    a, b, allow_tf32, _ = inputs
     ctx.save_for_backward(a, b)
     ctx.allow_tf32 = allow_tf32
 
@@ -585,7 +595,8 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]
     a2 = a.unsqueeze(0) if a.ndim == 1 else a
     b2 = b.unsqueeze(-1) if b.ndim == 1 else b
     batch, m, _, n = _operands(tuple(a.shape), tuple(b.shape))
-    grad2 = grad.reshape(*batch, m, n)
+    # A float32_out result's gradient is rounded to the operands' dtype once.
+    grad2 = grad.reshape(*batch, m, n).to(a.dtype)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
         full = MATMUL(grad2, b2.mT, ctx.allow_tf32)
@@ -593,20 +604,24 @@ def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]
     if ctx.needs_input_grad[1]:
         full = MATMUL(a2.mT, grad2, ctx.allow_tf32)
         grad_b = sum_to_shape(full, tuple(b2.shape), b.dtype).reshape(b.shape)
-    return grad_a, grad_b, None
+    return grad_a, grad_b, None, None
 
 
 register_op(MATMUL)
 
 
 @MATMUL.exported
-def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, *, allow_tf32: bool = False,
+           float32_out: bool = False) -> torch.Tensor:
     """``a @ b`` with ``torch.matmul``'s rules (1-D operands promoted and the added dim
-    dropped, batch dims broadcast), float32 accumulation, output in the operands' dtype.
-    float32 products use tf32 on GPUs only with ``allow_tf32=True``.
+    dropped, batch dims broadcast), float32 accumulation, output in the operands' dtype,
+    or with ``float32_out=True`` the float32 accumulator unrounded (16-bit or float32
+    operands: products to be summed further without a rounding each). float32 products
+    use tf32 on GPUs only with ``allow_tf32=True``.
 
     Raises:
         ShapeError: a 0-d operand, mismatched inner dims, or batch dims that do not
-            broadcast. DtypeError: operands of different or unsupported dtypes.
+            broadcast. DtypeError: operands of different or unsupported dtypes, or
+            float64 operands with ``float32_out``.
     """
-    return MATMUL(a, b, allow_tf32)
+    return MATMUL(a, b, allow_tf32, float32_out)
