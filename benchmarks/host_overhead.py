@@ -125,6 +125,7 @@ def curated(device: torch.device) -> dict[str, Case]:
     _, mean, layer_rstd = saved("layer_norm", x, weight, bias, normalized_shape=[256])
     out, lse = saved("attention", q, k, v, None, causal=True)
     _, row_lse = saved("cross_entropy", x, target)
+    _, head_lse = saved("fused_linear_cross_entropy", hidden, classes, target)
     loss = torch.ones((), device=device)
     router = randn(1, 64)
     chosen = torch.randperm(64, generator=generator)[:8].view(1, 8).to(device, torch.int32)
@@ -162,7 +163,8 @@ def curated(device: torch.device) -> dict[str, Case]:
         "cross_entropy_backward": Case("8x256", (loss, x, target, row_lse), {}),
         "fused_linear_cross_entropy": Case("8x64@256x64", (hidden, classes, target), {}),
         "fused_linear_cross_entropy_backward": Case("8x64@256x64",
-                                                    (loss, hidden, classes, target), {}),
+                                                    (loss, hidden, classes, target,
+                                                     head_lse), {}),
         # The functional's call: it resolves deterministic=None by torch's setting.
         "embedding_dense_grad": Case("t8 v256", (hidden, target),
                                      {"num_weights": 256, "deterministic": False}),

@@ -129,3 +129,9 @@ def test_errors_come_before_any_kernel():
     bad[3] = 10
     with pytest.raises(IndexRangeError, match="target"):
         opforge.fused_linear_cross_entropy(hidden, weight, bad)
+    grad = torch.ones((), device=DEVICE)
+    lse = FORWARD(hidden, weight, target, -100, "mean", 0.0)[1]
+    with pytest.raises(ShapeError, match="lse"):
+        BACKWARD(grad, hidden, weight, target, lse[:5], -100, "mean", 0.0)
+    with pytest.raises(DtypeError, match="lse"):
+        BACKWARD(grad, hidden, weight, target, lse.double(), -100, "mean", 0.0)

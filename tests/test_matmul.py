@@ -319,3 +319,24 @@ def test_errors_come_before_any_kernel():
         opforge.matmul(_x(2, 3, 4), _x(3, 4, 5))
     with pytest.raises(opforge.DtypeError, match="dtype"):
         opforge.matmul(_x(3, 4), _x(4, 2, dtype=torch.float16))
+    with pytest.raises(opforge.DtypeError, match="float32_out"):
+        opforge.matmul(_x(3, 4, dtype=torch.float64), _x(4, 2, dtype=torch.float64),
+                       float32_out=True)
+
+
+def test_float32_out_is_the_unrounded_accumulator_and_differentiable(backend):
+    """bfloat16 operands with float32_out: a float32 result within float32's rounding of
+    the float64 product (the bfloat16 result is 2^-9 away), and gradients in bfloat16
+    equal to those of the bfloat16 product (the float32 gradient rounded once)."""
+    a = _x(33, 300, dtype=torch.bfloat16).requires_grad_()
+    b = _x(300, 17, dtype=torch.bfloat16).requires_grad_()
+    wide = opforge.matmul(a, b, float32_out=True)
+    exact = a.double() @ b.double()
+    scale = a.double().abs() @ b.double().abs()
+    assert wide.dtype == torch.float32
+    assert ((wide.double() - exact).abs() / scale).max() < 1e-4
+    upstream = _x(33, 17, dtype=torch.bfloat16)
+    grads = torch.autograd.grad(wide, (a, b), upstream.float())
+    want = torch.autograd.grad(opforge.matmul(a, b), (a, b), upstream)
+    for grad, expected in zip(grads, want, strict=True):
+        assert grad.dtype == torch.bfloat16 and torch.equal(grad, expected)

@@ -9,11 +9,12 @@ blocks of B, over all tokens at once, B chosen so that a block's logits hold abo
 elements as ``hidden`` (as many as `MIN_BLOCK_ROWS` tokens' logits at least): each block's
 logits come from opforge's matmul (for 16-bit inputs its float32 accumulator, unrounded:
 the loss is then more accurate than the unfused pair's, whose logits are rounded to 16
-bits); each row's log-sum-exp is merged across the blocks (log-add-exp), its target's
-logit picked from its block and, for label smoothing, its logits summed. The row losses
-``lse - (1 - eps) x_t - eps mean(x)`` are float32; the reduction sums them in a fixed
-order (``mean``: over the rows not ignored). Each row's float32 lse is the second output,
-which the backward takes.
+bits, and finite where float16's overflow); each row's log-sum-exp is merged across the
+blocks (log-add-exp), its target's logit picked from its block and, for label smoothing,
+its logits summed. The row losses
+``lse - (1 - eps) x_t - eps mean(x)`` are float32 (float64 for float64 inputs); the
+reduction sums them in a fixed order (``mean``: over the rows not ignored). Each row's lse,
+in the same dtype, is the second output, which the backward takes.
 
 The backward makes one pass over the same blocks: it recomputes the block's logits by the
 same matmul steps (bitwise the forward's, so the softmax it takes from the forward's lse
@@ -70,7 +71,7 @@ OVERFLOWING_LOGITS = KnownLimitation(
     "its gradients) where the float64 golden is finite; torch's unfused pair overflows "
     "alike.", case="large_*", failures="*NaN/Inf*")
 PEER_OVERFLOWS = KnownLimitation(
-    "16-bit inputs near the dtype's maximum give logits beyond its range: torch's unfused "
+    "float16 inputs near the dtype's maximum give logits beyond its range: torch's unfused "
     "pair rounds them to Inf (a NaN loss and gradients) where opforge's float32 logits stay "
     "finite, within a few of the dtype's eps of the golden; the error ratios against the "
     "peer then compare with none of its elements.", case="large_*", dtype="float16",
@@ -180,7 +181,7 @@ def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generato
 
 def _sweep(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            generator: torch.Generator) -> list[Case]:
-    """At the kinds' 33 x 17 shape only (each case runs up to three products a block
+    """At the kinds' 33 x 17 shape only (each case runs up to four products a block
     through the interpreter: the sweep's other shapes would add minutes to the certificate;
     matmul's and cross_entropy's own sweeps cover long and wide rows): hidden drawn from the
     kind, a normal head of 257 classes scaled by H^-1/2, targets uniform with a tenth
