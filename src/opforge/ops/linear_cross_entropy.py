@@ -362,11 +362,6 @@ def _class_blocks(plan: object, hidden: torch.Tensor, weight: torch.Tensor
                                         weight[start:end].T, float32_out=narrow)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the loss and gradient arithmetic: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("torch")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
@@ -376,7 +371,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     (label smoothing); then the row losses and their reduction."""
     hidden, weight, target = _dense(*inputs)
     loss, lse = outputs
-    attrs, classes, wide = plan.attrs, weight.shape[0], _wide(hidden.dtype)
+    attrs, classes, wide = plan.attrs, weight.shape[0], statistics_dtype(hidden.dtype)
     valid = target != attrs["ignore_index"]
     smoothing = attrs["label_smoothing"]
     merged = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
@@ -415,7 +410,7 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     if not hidden.shape[0]:
         grad_weight.zero_()
         return
-    wide = _wide(hidden.dtype)
+    wide = statistics_dtype(hidden.dtype)
     if lse is None:
         lse = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
         for *_, logits in _class_blocks(plan, hidden, weight):
