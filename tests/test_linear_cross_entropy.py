@@ -12,7 +12,7 @@ import opforge
 from opforge.core.errors import DtypeError, IndexRangeError, ShapeError
 from opforge.ops.linear_cross_entropy import class_block
 
-from .conftest import DEVICE, LOW_PRECISION, assert_golden
+from .conftest import DEVICE, LOW_PRECISION, TRITON, assert_golden
 
 FORWARD = opforge.get_op("fused_linear_cross_entropy")
 BACKWARD = opforge.get_op("fused_linear_cross_entropy_backward")
@@ -77,6 +77,29 @@ def test_the_forward_s_lse_is_the_one_the_backward_would_merge(dtype, backend):
     merged = BACKWARD(grad, hidden, weight, target, None, -100, "mean", 0.1)
     for given, own in zip(with_lse, merged, strict=True):
         assert torch.equal(given, own)
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+def test_the_triton_backend_reads_each_block_s_logits_in_one_kernel(launches):
+    """Besides the products, one kernel a block reads its logits: the forward's row
+    statistics (lse merged, target picked, smoothing sum), the backward's gradient
+    (cross_entropy's kernel on a block of columns); the mean's count of kept targets once.
+    150 tokens, 200 classes in blocks of 64 (the tiling's, from the shapes rounded up to
+    powers of two) and a tail."""
+    hidden, weight, target = _draw(150, 40, 200)
+    grad = torch.ones((), device=DEVICE)
+    with opforge.use_backend("triton"):
+        assert opforge.plan(FORWARD, hidden, weight, target).tiling.blocks["CLASS_BLOCK"] == 64
+        lse = FORWARD(hidden, weight, target, -100, "mean", 0.1)[1]
+        forward = [name for name, _ in launches]
+        launches.clear()
+        BACKWARD(grad, hidden, weight, target, lse, -100, "mean", 0.1)
+        backward = [name for name, _ in launches]
+    assert forward.count("_merge_block_kernel") == 4
+    assert "_cross_entropy_backward_kernel" not in forward
+    assert backward.count("_cross_entropy_backward_kernel") == 4
+    assert backward.count("_count_kept_kernel") == 1
+    assert "_merge_block_kernel" not in backward
 
 
 class _Sizes(TorchDispatchMode):

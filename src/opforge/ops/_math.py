@@ -51,6 +51,14 @@ def bind_functions(kernel: Callable, **functions: Callable) -> Callable:
 
 
 @jit
+def finite_shift(m):
+    """The value to subtract from a row (or chunk) of max ``m`` before exponentiating: 0
+    for a row of only -inf, so that its exponentials are 0 (its log-sum-exp -inf, and a
+    softmax's final 0 / 0 the NaN torch gives) rather than exp(-inf + inf) = NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@jit
 def sigmoid_pair(z):
     """(sigmoid(z), sigmoid(-z)) without overflow: exp is only taken of -|z|."""
     e = tl.exp(-tl.abs(z))

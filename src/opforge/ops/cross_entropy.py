@@ -64,7 +64,7 @@ from opforge.core.tiling import (
 )
 from opforge.library import register_op
 from opforge.ops._elementwise import random_input
-from opforge.ops._math import jit, rounded_for, tl, widen
+from opforge.ops._math import finite_shift, jit, rounded_for, tl, widen
 from opforge.ops._rows import SHARED_ROW_STATISTIC
 from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
 from opforge.precision.cases import generate
@@ -191,26 +191,39 @@ def _tiling(backward: bool) -> object:
             # faster at 8 warps there, take 32 values a thread in one-row tiles only.
             return rows_then_looped(rows, classes, per_element, hardware,
                                     values_per_thread=32)
-        candidates = []
-        block = min(next_power_of_2(max(classes, 1)), LOOP_BLOCK, hardware.max_tile_elements)
-        while True:
-            block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block))
-            candidates.append(Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block},
-                                     block_m * block * per_element,
-                                     options={"warps": gpu_warps(block_m * block,
-                                                                 hardware)}))
-            if block <= 16:
-                return candidates
-            block //= 2
+        return gradient_tilings(rows, classes, per_element, hardware)
     return tiling
+
+
+def gradient_tilings(rows: int, classes: int, per_element: int, hardware: HardwareProfile
+                     ) -> list[Tiling]:
+    """The gradient kernel's ``tiles`` of ``BLOCK_M`` rows by ``BLOCK_N`` columns of
+    [rows, classes] logits, the widest first; ``per_element``: on-chip bytes an element
+    takes."""
+    candidates = []
+    block = min(next_power_of_2(max(classes, 1)), LOOP_BLOCK, hardware.max_tile_elements)
+    while True:
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block))
+        candidates.append(Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block},
+                                 block_m * block * per_element,
+                                 options={"warps": gpu_warps(block_m * block, hardware)}))
+        if block <= 16:
+            return candidates
+        block //= 2
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
           hardware: HardwareProfile) -> tuple[int, ...]:
     rows, classes = _geometry(inputs)
-    tiles = cdiv(rows, tiling.blocks["BLOCK_M"])
     if tiling.variant == "tiles":
-        tiles *= cdiv(classes, tiling.blocks["BLOCK_N"])
+        return gradient_grid(tiling, rows, classes, hardware)
+    return (persistent_grid(cdiv(rows, tiling.blocks["BLOCK_M"]), hardware),)
+
+
+def gradient_grid(tiling: Tiling, rows: int, classes: int, hardware: HardwareProfile
+                  ) -> tuple[int]:
+    """The gradient kernel's persistent grid over the tiles of [rows, classes] logits."""
+    tiles = cdiv(rows, tiling.blocks["BLOCK_M"]) * cdiv(classes, tiling.blocks["BLOCK_N"])
     return (persistent_grid(tiles, hardware),)
 
 
@@ -514,10 +527,28 @@ def backward_reference(grad: torch.Tensor, logits: torch.Tensor, target: torch.T
 
 
 @jit
-def _safe(m):
-    # A row of only -inf has max -inf: subtract 0 instead, so its exponentials are 0 (its
-    # log-sum-exp -inf, as torch's) rather than exp(-inf + inf) = NaN.
-    return tl.where(m == float("-inf"), 0.0, m)
+def looped_row_statistics(x_rows, row_mask, N, inverse_n, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """(max, sum of exp(x - max), sum of x * inverse_n) of the BLOCK_M rows of N values
+    that the pointers ``x_rows`` [BLOCK_M, 1] start, streamed in blocks of BLOCK_N by the
+    online softmax. The sum of x is of terms divided first: near float32's largest, a
+    plain row sum overflows."""
+    cols = tl.arange(0, BLOCK_N)
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offsets = start + cols
+        mask = row_mask[:, None] & (offsets < N)[None, :]
+        x = widen(tl.load(x_rows + offsets[None, :], mask=mask, other=float("-inf")))
+        new_max = tl.maximum(running_max, tl.max(x, axis=1))
+        shift = finite_shift(new_max)
+        # The sum so far was taken against the old max.
+        running_sum = running_sum * tl.exp(running_max - shift) \
+            + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        running_max = new_max
+        total += tl.sum(tl.where(mask, x * inverse_n, 0.0), axis=1)
+    return running_max, running_sum, total
 
 
 @jit
@@ -537,28 +568,15 @@ def _cross_entropy_kernel(x_ptr, target_ptr, loss_ptr, lse_ptr, M, N, stride_x,
         row_mask = rows < M
         x_rows = x_ptr + rows[:, None] * stride_x
         if LOOPED:
-            running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                offsets = start + cols
-                mask = row_mask[:, None] & (offsets < N)[None, :]
-                x = widen(tl.load(x_rows + offsets[None, :], mask=mask, other=float("-inf")))
-                new_max = tl.maximum(running_max, tl.max(x, axis=1))
-                shift = _safe(new_max)
-                # The online softmax: the sum so far was taken against the old max.
-                running_sum = running_sum * tl.exp(running_max - shift) \
-                    + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-                running_max = new_max
-                total += tl.sum(tl.where(mask, x * inverse_n, 0.0), axis=1)
-            top, exps = running_max, running_sum
+            top, exps, total = looped_row_statistics(x_rows, row_mask, N, inverse_n, BLOCK_M,
+                                                     BLOCK_N)
         else:
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = widen(tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")))
             top = tl.max(x, axis=1)
-            exps = tl.sum(tl.exp(x - _safe(top)[:, None]), axis=1)
+            exps = tl.sum(tl.exp(x - finite_shift(top)[:, None]), axis=1)
             total = tl.sum(tl.where(mask, x * inverse_n, 0.0), axis=1)
-        lse = tl.where(top == float("inf"), top, _safe(top) + tl.log(exps))
+        lse = tl.where(top == float("inf"), top, finite_shift(top) + tl.log(exps))
         target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)  # integer index
         kept = row_mask & (target != ignore_index)
         # A target outside the columns reads nothing (the host check raised before).
@@ -614,11 +632,14 @@ def _count_kept_kernel(target_ptr, count_ptr, M, ignore_index, BLOCK: tl.constex
 
 @jit
 def _cross_entropy_backward_kernel(grad_ptr, x_ptr, target_ptr, lse_ptr, count_ptr, dx_ptr,
-                                   M, N, stride_x, ignore_index, smoothing,
-                                   PER_ROW: tl.constexpr, MEAN: tl.constexpr,
+                                   M, N, stride_x, first_class, classes, ignore_index,
+                                   smoothing, PER_ROW: tl.constexpr, MEAN: tl.constexpr,
                                    WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
                                    BLOCK_N: tl.constexpr):
-    """Tiles of ``w_i (exp(x - lse_i) - smoothing / N - (1 - smoothing) [j == t_i])``."""
+    """Tiles of ``w_i (exp(x - lse_i) - smoothing / classes - (1 - smoothing) [j == t_i])``
+    into a contiguous [M, N] ``dx_ptr``, for the N columns of classes ``first_class ..``
+    of rows of ``classes`` (all of them: 0 and N; the fused linear cross-entropy's blocks
+    of classes otherwise)."""
     col_tiles = tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * col_tiles, tl.num_programs(0)):
         rows = (tile // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -638,8 +659,9 @@ def _cross_entropy_backward_kernel(grad_ptr, x_ptr, target_ptr, lse_ptr, count_p
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)  # float32 statistic
         x = widen(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask,
                           other=0.0))
-        slope = tl.exp(x - lse[:, None]) - smoothing / N
-        slope = tl.where(cols[None, :] == target[:, None], slope - (1.0 - smoothing), slope)
+        slope = tl.exp(x - lse[:, None]) - smoothing / classes
+        slope = tl.where(cols[None, :] + first_class == target[:, None], slope - (1.0 - smoothing),
+                         slope)
         outs = dx_ptr + rows[:, None] * N + cols[None, :]
         tl.store(outs, rounded_for(weight[:, None] * slope, dx_ptr), mask=mask)
 
@@ -679,23 +701,42 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
                                MEAN=reduction == "mean", BLOCK=SUM_BLOCK)
 
 
+def count_kept(target: torch.Tensor, ignore_index: int, count: torch.Tensor) -> None:
+    """Into float32 ``count`` [1]: the targets other than ``ignore_index`` (the mean's
+    divisor), by one program."""
+    _count_kept_kernel[(1,)](target, count, target.shape[0], ignore_index, BLOCK=SUM_BLOCK)
+
+
+def launch_gradient(tiling: Tiling, grid: tuple[int, ...], grad: torch.Tensor,
+                    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                    count: torch.Tensor, grad_logits: torch.Tensor, attrs: Attrs,
+                    first_class: int = 0, classes: int | None = None) -> None:
+    """The gradient kernel on ``tiling`` (one of `gradient_tilings`) and its
+    `gradient_grid`: ``grad_logits`` (contiguous, any float dtype) of ``logits`` [M, N]
+    with unit column stride, the columns of classes ``first_class ..`` of rows of
+    ``classes`` (N when None); ``count`` the mean's `count_kept` (unread by the other
+    reductions)."""
+    rows, width = logits.shape
+    _cross_entropy_backward_kernel[grid](
+        grad.contiguous(), logits, target, lse.contiguous(), count, grad_logits, rows, width,
+        logits.stride(0), first_class, width if classes is None else classes,
+        attrs["ignore_index"], attrs["label_smoothing"],
+        PER_ROW=attrs["reduction"] == "none", MEAN=attrs["reduction"] == "mean",
+        WIDE=_wide(logits), BLOCK_M=tiling.blocks["BLOCK_M"], BLOCK_N=tiling.blocks["BLOCK_N"],
+        **launch_options(tiling))
+
+
 @CROSS_ENTROPY_BACKWARD.launcher("triton")
 def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
                     outputs: Sequence[torch.Tensor], workspace: torch.Tensor | None) -> None:
     grad, logits, target, lse = inputs
     logits, target = _rows_of(logits), target.contiguous()
-    rows, classes = logits.shape
-    reduction = plan.attrs["reduction"]
     count = lse  # unread without the mean
-    if reduction == "mean":
+    if plan.attrs["reduction"] == "mean":
         count = workspace.view(torch.float32)
-        _count_kept_kernel[(1,)](target, count, rows, plan.attrs["ignore_index"],
-                                 BLOCK=SUM_BLOCK)
-    _cross_entropy_backward_kernel[plan.grid](
-        grad.contiguous(), logits, target, lse.contiguous(), count, outputs[0], rows, classes,
-        logits.stride(0), plan.attrs["ignore_index"], plan.attrs["label_smoothing"],
-        PER_ROW=reduction == "none", MEAN=reduction == "mean", WIDE=_wide(logits),
-        **plan.tiling.blocks, **launch_options(plan.tiling))
+        count_kept(target, plan.attrs["ignore_index"], count)
+    launch_gradient(plan.tiling, plan.grid, grad, logits, target, lse, count, outputs[0],
+                    plan.attrs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,12 @@ once at the end). Nothing of size [V, H] or [N, V] is held beyond the gradients
 themselves: four products in all (the logits made twice) against the unfused pair's
 three. Without the forward's lse (a backward called alone) a first pass merges it again:
 five products.
+
+On the Triton backend one kernel reads a block's float32 logits once for all of its row
+statistics (the online softmax's max and sum merged into the lse, the target's logit, the
+smoothing sum), and cross_entropy's gradient kernel, on a block of columns, writes the
+block's gradient in the inputs' dtype in one pass: torch operations would make a pass over
+the block for each of max, exponentials, sums, scaling and rounding.
 """
 
 from __future__ import annotations
@@ -49,12 +55,23 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import is_unknown_rank
-from opforge.core.tiling import cdiv
+from opforge.core.tiling import (
+    INT32_LIMIT,
+    LOOP_BLOCK,
+    ROWS_TILE,
+    cdiv,
+    gpu_warps,
+    launch_options,
+    next_power_of_2,
+    persistent_grid,
+)
 from opforge.library import register_op
 from opforge.ops import cross_entropy
 from opforge.ops._elementwise import random_input
+from opforge.ops._math import finite_shift, jit, tl, widen
 from opforge.ops._rows import SHARED_ROW_STATISTIC
 from opforge.ops._statistics import STATISTICS_DTYPES, check_statistics, statistics_dtype
+from opforge.ops.cross_entropy import looped_row_statistics
 from opforge.precision.cases import generate
 
 NAME = "fused_linear_cross_entropy"
@@ -62,6 +79,8 @@ BACKWARD_NAME = "fused_linear_cross_entropy_backward"
 # A block holds at least as many logits as this many tokens' rows: fewer classes a block
 # would make the products too thin to keep the tensor cores busy.
 MIN_BLOCK_ROWS = 64
+# Rows of a tile of the Triton kernels on a block's logits.
+MAX_TILE_ROWS = 16
 # The precision sweep's one shape of hidden, and its head's classes.
 SWEEP_SHAPE = (33, 17)
 SWEEP_CLASSES = 257
@@ -146,8 +165,18 @@ def _cost(backward: bool) -> object:
 
 def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfile
             ) -> list[Tiling]:
-    """One variant: blocks of `class_block` classes (the steps keep their own tiles)."""
-    return [Tiling("class_blocks", {"CLASS_BLOCK": class_block(*_geometry(inputs))}, 0)]
+    """One variant: blocks of `class_block` classes (the products keep their own tiles),
+    and for the Triton kernels on a block's float32 logits (its row statistics, its
+    gradient) tiles of ``BLOCK_M`` rows by ``BLOCK_N`` columns."""
+    tokens, hidden_size, classes = _geometry(inputs)
+    block = class_block(tokens, hidden_size, classes)
+    block_n = min(next_power_of_2(block), LOOP_BLOCK, hardware.max_tile_elements)
+    # NOTE: sm_90 (compile-check): the row statistics' kernel spills at 128 rows of 32
+    # columns (a running max, sum and total a row); 16 rows keep it in registers.
+    block_m = max(1, min(MAX_TILE_ROWS, next_power_of_2(max(tokens, 1)), ROWS_TILE // block_n))
+    return [Tiling("class_blocks", {"CLASS_BLOCK": block, "BLOCK_M": block_m,
+                                    "BLOCK_N": block_n}, 0,
+                   options={"warps": gpu_warps(block_m * block_n, hardware)})]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
@@ -362,6 +391,88 @@ def _class_blocks(plan: object, hidden: torch.Tensor, weight: torch.Tensor
                                         weight[start:end].T, float32_out=narrow)
 
 
+@jit
+def _merge_block_kernel(x_ptr, target_ptr, lse_ptr, picked_ptr, total_ptr, M, N, stride_x,
+                        first_class, classes, ignore_index, PICK: tl.constexpr,
+                        SUM: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """One read of a block's float32 logits [M, N] (classes ``first_class ..`` of
+    ``classes``): each row's log-sum-exp over the block merged into ``lse_ptr``
+    (log-add-exp); with PICK the target's logit, where it falls in the block, into
+    ``picked_ptr``; with SUM the row's ``x / classes`` added to ``total_ptr``."""
+    for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        if WIDE:
+            rows = rows.to(tl.int64)
+        row_mask = rows < M
+        top, exps, total = looped_row_statistics(x_ptr + rows[:, None] * stride_x, row_mask,
+                                                 N, 1.0 / classes, BLOCK_M, BLOCK_N)
+        previous = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)  # float32 statistic
+        both = tl.maximum(previous, top)
+        shift = finite_shift(both)
+        merged = shift + tl.log(tl.exp(previous - shift) + exps * tl.exp(top - shift))
+        merged = tl.where(both == float("inf"), both, merged)
+        tl.store(lse_ptr + rows, merged, mask=row_mask)  # float32 statistic
+        if PICK:
+            target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)  # integer index
+            inside = row_mask & (target != ignore_index) & (target >= first_class) \
+                & (target < first_class + N)
+            # The block's column of the target, by the pointer: triton-ascend fails on the
+            # difference of an integer index and a scalar in a one-row tile.
+            picked = widen(tl.load(x_ptr - first_class + rows * stride_x + target, mask=inside))
+            tl.store(picked_ptr + rows, picked, mask=inside)  # float32 statistic
+        if SUM:
+            total += tl.load(total_ptr + rows, mask=row_mask)  # float32 statistic
+            tl.store(total_ptr + rows, total, mask=row_mask)  # float32 statistic
+
+
+def _merge_block(plan: object, logits: torch.Tensor, target: torch.Tensor, first_class: int,
+                 lse: torch.Tensor, picked: torch.Tensor | None = None,
+                 total: torch.Tensor | None = None) -> None:
+    """A block's share of each row's statistics, in place: its log-sum-exp merged into
+    ``lse``; with ``picked``, the target's logit where it falls in the block; with
+    ``total``, the sum of the row's logits over the classes."""
+    classes, ignore_index = _geometry(plan.inputs)[2], plan.attrs["ignore_index"]
+    rows, width = logits.shape
+    if plan.backend == "triton":
+        blocks = plan.tiling.blocks
+        _merge_block_kernel[(persistent_grid(cdiv(rows, blocks["BLOCK_M"]), plan.hardware),)](
+            logits, target, lse, lse if picked is None else picked,
+            lse if total is None else total, rows, width, logits.stride(0), first_class,
+            classes, ignore_index, PICK=picked is not None, SUM=total is not None,
+            WIDE=rows * width > INT32_LIMIT, BLOCK_M=blocks["BLOCK_M"],
+            BLOCK_N=blocks["BLOCK_N"], **launch_options(plan.tiling))
+        return
+    x = logits.to(lse.dtype)
+    torch.logaddexp(lse, torch.logsumexp(x, -1), out=lse)
+    if picked is not None:
+        inside = (target != ignore_index) & (target >= first_class) \
+            & (target < first_class + width)
+        column = torch.where(inside, target - first_class, 0).long()[:, None]
+        picked += torch.where(inside, x.gather(1, column)[:, 0], 0)
+    if total is not None:
+        total += x.sum(-1) / classes
+
+
+def _block_gradient(plan: object, grad: torch.Tensor, logits: torch.Tensor,
+                    target: torch.Tensor, lse: torch.Tensor, first_class: int,
+                    count: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A block's logits' gradient by cross_entropy's formula, computed in float32 (float64
+    for float64 inputs) and rounded once to ``dtype``; ``count``: the Triton kernel's
+    `cross_entropy.count_kept` (for the mean)."""
+    classes = _geometry(plan.inputs)[2]
+    if plan.backend == "triton":
+        gradient = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+        cross_entropy.launch_gradient(
+            plan.tiling, cross_entropy.gradient_grid(plan.tiling, *logits.shape, plan.hardware),
+            grad, logits, target, lse, lse if count is None else count, gradient, plan.attrs,
+            first_class, classes)
+        return gradient
+    return cross_entropy.backward_reference(
+        grad, logits, target, lse, compute_dtype=lse.dtype, first_class=first_class,
+        classes=classes, **plan.attrs).to(dtype)
+
+
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("triton")
 @FUSED_LINEAR_CROSS_ENTROPY.launcher("torch")
 def launch(plan: object, inputs: Sequence[torch.Tensor | None],
@@ -371,25 +482,20 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
     (label smoothing); then the row losses and their reduction."""
     hidden, weight, target = _dense(*inputs)
     loss, lse = outputs
-    attrs, classes, wide = plan.attrs, weight.shape[0], statistics_dtype(hidden.dtype)
+    attrs, wide = plan.attrs, statistics_dtype(hidden.dtype)
     valid = target != attrs["ignore_index"]
     smoothing = attrs["label_smoothing"]
     merged = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
     picked = torch.zeros(target.shape, dtype=wide, device=hidden.device)
-    total = torch.zeros_like(picked)
-    for _, start, end, logits in _class_blocks(plan, hidden, weight):
-        x = logits.to(wide)
+    total = torch.zeros_like(picked) if smoothing else None
+    for _, start, _, logits in _class_blocks(plan, hidden, weight):
+        _merge_block(plan, logits, target, start, merged, picked, total)
         del logits
-        torch.logaddexp(merged, torch.logsumexp(x, -1), out=merged)
-        inside = valid & (target >= start) & (target < end)
-        column = torch.where(inside, target - start, 0).long()[:, None]
-        picked += torch.where(inside, x.gather(1, column)[:, 0], 0)
-        if smoothing:
-            total += x.sum(-1)
-        del x
     lse.copy_(merged)
-    rows = torch.where(valid, merged - (1 - smoothing) * picked - smoothing * total / classes,
-                       0)
+    rows = merged - (1 - smoothing) * picked
+    if smoothing:
+        rows -= smoothing * total
+    rows = torch.where(valid, rows, 0)
     if attrs["reduction"] == "none":
         loss.copy_(rows)
     elif attrs["reduction"] == "sum":
@@ -413,20 +519,22 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     wide = statistics_dtype(hidden.dtype)
     if lse is None:
         lse = torch.full(target.shape, float("-inf"), dtype=wide, device=hidden.device)
-        for *_, logits in _class_blocks(plan, hidden, weight):
-            torch.logaddexp(lse, torch.logsumexp(logits.to(wide), -1), out=lse)
+        for _, start, _, logits in _class_blocks(plan, hidden, weight):
+            _merge_block(plan, logits, target, start, lse)
             del logits
-    # The block's gradient by cross_entropy's formula, in float32 (float64 for float64
-    # inputs), rounded once to the inputs' dtype; 16-bit inputs' grad_hidden shares are
-    # the matmul's float32 accumulators, summed unrounded.
+    count = None
+    if plan.backend == "triton" and plan.attrs["reduction"] == "mean":
+        count = torch.empty(1, dtype=torch.float32, device=hidden.device)
+        cross_entropy.count_kept(target, plan.attrs["ignore_index"], count)
+    # 16-bit inputs' grad_hidden shares are the matmul's float32 accumulators, summed
+    # unrounded.
     narrow = hidden.element_size() == 2
     summed = torch.empty(grad_hidden.shape, dtype=wide, device=hidden.device) \
         if narrow else grad_hidden
     for index, (suffix, start, end, logits) in enumerate(_class_blocks(plan, hidden,
                                                                         weight)):
-        gradient = cross_entropy.backward_reference(
-            grad, logits, target, lse, compute_dtype=wide, first_class=start,
-            classes=weight.shape[0], **plan.attrs).to(hidden.dtype)
+        gradient = _block_gradient(plan, grad, logits, target, lse, start, count,
+                                   hidden.dtype)
         del logits
         plan.run_step("grad_weight" + suffix, "matmul", gradient.T, hidden,
                       out=grad_weight[start:end])

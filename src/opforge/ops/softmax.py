@@ -69,7 +69,7 @@ try:
     import triton
     import triton.language as tl
 
-    from opforge.ops._math import rounded_for, widen
+    from opforge.ops._math import finite_shift, rounded_for, widen
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -419,13 +419,6 @@ LOG_SOFTMAX_BACKWARD.reference(_backward_reference(True))
 
 if triton is not None:
     @triton.jit
-    def _safe(m):
-        # A row (or chunk) of only -inf has max -inf: subtract 0 instead, so that its
-        # exponentials are 0 rather than exp(-inf + inf) = NaN; the final 0/0 then gives
-        # the NaN torch gives for such rows.
-        return tl.where(m == float("-inf"), 0.0, m)
-
-    @triton.jit
     def _block_offsets(block, cols, N, WIDE: tl.constexpr, BLOCK_N: tl.constexpr):
         """(column offsets, in-row mask) of one BLOCK_N block of a row."""
         offsets = block * BLOCK_N + cols
@@ -446,7 +439,7 @@ if triton is not None:
             mask = (rows < M)[:, None] & col_mask[None, :]
             x = widen(tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                               mask=mask, other=float("-inf")))
-            shift = _safe(tl.max(x, axis=1))
+            shift = finite_shift(tl.max(x, axis=1))
             z = x - shift[:, None]
             e = tl.exp(z)
             total = tl.sum(tl.where(mask, e, 0.0), axis=1)
@@ -475,7 +468,7 @@ if triton is not None:
                 x = widen(tl.load(x_ptr + row * stride_xm + offsets * stride_xn,
                                   mask=mask, other=float("-inf")))
                 new_max = tl.maximum(running_max, tl.max(x, axis=0))
-                shift = _safe(new_max)
+                shift = finite_shift(new_max)
                 # The online softmax: the sum so far was taken against the old max.
                 running_sum = (running_sum * tl.exp(running_max - shift)
                                + tl.sum(tl.exp(x - shift), axis=0))
@@ -492,7 +485,7 @@ if triton is not None:
         row_partials = partial_ptr + (row * splits + index) * 2
         maxima = tl.load(row_partials, mask=present, other=float("-inf"))
         sums = tl.load(row_partials + 1, mask=present, other=0.0)
-        shift = _safe(tl.max(maxima, axis=0))
+        shift = finite_shift(tl.max(maxima, axis=0))
         total = tl.sum(sums * tl.exp(maxima - shift), axis=0)
         return shift, total
 
