@@ -30,14 +30,20 @@ def _draw(tokens: int, hidden_size: int, classes: int, seed: int = 0,
     return hidden, weight, target.to(DEVICE)
 
 
+def _class_block_of(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
+    """The classes of a block in the plan of this call: `class_block` of the shapes rounded
+    up to powers of two (the key tilings are made and shared under)."""
+    return opforge.plan(FORWARD, hidden, weight, target).tiling.blocks["CLASS_BLOCK"]
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.15])
 def test_loss_and_gradients_are_torch_s_through_several_blocks(reduction, smoothing,
                                                                backend):
-    """Against torch's cross_entropy of the float64 product: 200 classes in blocks of 86
-    (two full blocks and a tail), the loss and both gradients of a random weighting."""
+    """Against torch's cross_entropy of the float64 product: 200 classes in blocks of 64
+    (three full blocks and a tail), the loss and both gradients of a random weighting."""
     hidden, weight, target = _draw(150, 40, 200)
-    assert class_block(150, 40, 200) == 86
+    assert _class_block_of(hidden, weight, target) == class_block(256, 64, 256) == 64
     leaves = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
     loss = opforge.fused_linear_cross_entropy(*leaves, target, reduction=reduction,
                                               label_smoothing=smoothing)
@@ -68,9 +74,9 @@ def test_the_forward_s_lse_is_the_one_the_backward_would_merge(dtype, backend):
     """The backward's gradient from the forward's lse (three products) is bitwise the one
     it computes after merging the lse again (four): the forward and the backward make the
     logits by the same matmul steps, so the softmax the gradient uses sums to 1 as the
-    forward's did. 150 tokens, 200 classes in blocks of 86 and a tail."""
+    forward's did. 150 tokens, 200 classes in blocks of 64 and a tail."""
     hidden, weight, target = _draw(150, 40, 200, dtype=dtype)
-    assert class_block(150, 40, 200) == 86
+    assert _class_block_of(hidden, weight, target) == 64
     grad = torch.randn((), generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     lse = FORWARD(hidden, weight, target, -100, "mean", 0.1)[1]
     with_lse = BACKWARD(grad, hidden, weight, target, lse, -100, "mean", 0.1)
@@ -84,12 +90,11 @@ def test_the_triton_backend_reads_each_block_s_logits_in_one_kernel(launches):
     """Besides the products, one kernel a block reads its logits: the forward's row
     statistics (lse merged, target picked, smoothing sum), the backward's gradient
     (cross_entropy's kernel on a block of columns); the mean's count of kept targets once.
-    150 tokens, 200 classes in blocks of 64 (the tiling's, from the shapes rounded up to
-    powers of two) and a tail."""
+    150 tokens, 200 classes in blocks of 64 and a tail."""
     hidden, weight, target = _draw(150, 40, 200)
     grad = torch.ones((), device=DEVICE)
     with opforge.use_backend("triton"):
-        assert opforge.plan(FORWARD, hidden, weight, target).tiling.blocks["CLASS_BLOCK"] == 64
+        assert _class_block_of(hidden, weight, target) == 64
         lse = FORWARD(hidden, weight, target, -100, "mean", 0.1)[1]
         forward = [name for name, _ in launches]
         launches.clear()
