@@ -66,6 +66,21 @@ def test_an_all_ignored_batch_is_nan_as_torch_s(backend):
     assert torch.equal(leaf.grad, torch.zeros_like(leaf.grad))
 
 
+@pytest.mark.parametrize("classes", [50, 70000])
+def test_a_nan_logit_makes_its_row_nan_even_beside_an_inf(classes, backend):
+    """A row holding a NaN and a +inf logit has a NaN lse and loss, as torch's logsumexp
+    gives (a GPU's max returns the operand that is not NaN: the kernels count the NaNs);
+    a row with +inf alone has the lse +inf. On the H200's tiling 50 classes take the
+    ``rows`` variant, 70000 the ``looped`` one."""
+    logits, target = _draw(3, classes, seed=3, ignored=0.0)
+    logits[0, 3], logits[0, 7], logits[1, 7] = float("nan"), float("inf"), float("inf")
+    with opforge.use_hardware("h200"):
+        loss, lse = CROSS_ENTROPY(logits, target, -100, "none", 0.0)
+    assert torch.isnan(torch.logsumexp(logits[0], 0))
+    assert torch.isnan(lse[0]) and torch.isnan(loss[0])
+    assert lse[1] == float("inf") and torch.isfinite(lse[2]) and torch.isfinite(loss[2])
+
+
 def test_ignore_index_may_be_a_class(backend):
     """A target equal to ignore_index is ignored even inside [0, C), as torch does."""
     logits, target = _draw(16, 8, seed=3, ignored=0.0)

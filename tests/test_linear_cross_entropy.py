@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opforge
 from opforge.core.errors import DtypeError, IndexRangeError, ShapeError
+from opforge.core.opdef import Case
 from opforge.ops.linear_cross_entropy import class_block
 
 from .conftest import DEVICE, LOW_PRECISION, TRITON, assert_golden
@@ -83,6 +84,36 @@ def test_the_forward_s_lse_is_the_one_the_backward_would_merge(dtype, backend):
     merged = BACKWARD(grad, hidden, weight, target, None, -100, "mean", 0.1)
     for given, own in zip(with_lse, merged, strict=True):
         assert torch.equal(given, own)
+
+
+def test_blocks_wider_than_a_tile_match_the_golden(backend):
+    """3 tokens over 5000 classes: one block (8192 classes for the shapes rounded up) that
+    the kernels stream in two tiles of 4096 columns; the loss with smoothing and both
+    gradients against the float64 golden."""
+    hidden, weight, target = _draw(3, 8, 5000, seed=4)
+    attrs = {"label_smoothing": 0.1}
+    assert _class_block_of(hidden, weight, target) == 8192
+    forward = Case("wide_block", (hidden, weight, target), attrs)
+    assert_golden(FORWARD, forward, FORWARD(hidden, weight, target, -100, "mean", 0.1))
+    grad = torch.tensor(0.7, device=DEVICE)
+    backward = Case("wide_block", (grad, hidden, weight, target, None), attrs)
+    assert_golden(BACKWARD, backward, BACKWARD(grad, hidden, weight, target, None, -100,
+                                               "mean", 0.1))
+
+
+def test_a_nan_in_one_block_is_not_hidden_by_an_inf_in_another(backend):
+    """A class whose head row holds a NaN (in the first block) and one whose row holds
+    +inf (in the last) make every token's lse and loss NaN, as torch's logsumexp of the
+    whole logits: the merge keeps the NaN an earlier block left. Without the NaN, the
+    lse is +inf."""
+    hidden, weight, target = _draw(6, 8, 200, seed=5)
+    hidden = hidden.abs() + 0.1  # the +inf row's logits are +inf, not NaN (inf * 0)
+    weight[3], weight[190] = float("nan"), float("inf")
+    loss, lse = FORWARD(hidden, weight, target, -100, "none", 0.0)
+    assert torch.isnan(torch.logsumexp(hidden @ weight.T, -1)).all()
+    assert torch.isnan(lse).all() and torch.isnan(loss[target != -100]).all()
+    weight[3] = 0.1
+    assert (FORWARD(hidden, weight, target, -100, "none", 0.0)[1] == float("inf")).all()
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed")

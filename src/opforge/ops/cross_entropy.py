@@ -527,12 +527,20 @@ def backward_reference(grad: torch.Tensor, logits: torch.Tensor, target: torch.T
 
 
 @jit
+def shifted(x, shift):
+    """``x - shift``, 0 where they are equal: a row's +inf less its +inf max is 0 (its
+    exponential 1), not NaN, so that the sum of exponentials is NaN only for a NaN in the
+    row (a GPU's max skips a NaN: the sum must carry it)."""
+    return tl.where(x == shift, 0.0, x - shift)
+
+
+@jit
 def looped_row_statistics(x_rows, row_mask, N, inverse_n, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """(max, sum of exp(x - max), sum of x * inverse_n) of the BLOCK_M rows of N values
     that the pointers ``x_rows`` [BLOCK_M, 1] start, streamed in blocks of BLOCK_N by the
-    online softmax. The sum of x is of terms divided first: near float32's largest, a
-    plain row sum overflows."""
+    online softmax (`row_lse` makes their lse). The sum of x is of terms divided first:
+    near float32's largest, a plain row sum overflows."""
     cols = tl.arange(0, BLOCK_N)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -544,11 +552,19 @@ def looped_row_statistics(x_rows, row_mask, N, inverse_n, BLOCK_M: tl.constexpr,
         new_max = tl.maximum(running_max, tl.max(x, axis=1))
         shift = finite_shift(new_max)
         # The sum so far was taken against the old max.
-        running_sum = running_sum * tl.exp(running_max - shift) \
-            + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        running_sum = running_sum * tl.exp(shifted(running_max, shift)) \
+            + tl.sum(tl.exp(shifted(x, shift[:, None])), axis=1)
         running_max = new_max
         total += tl.sum(tl.where(mask, x * inverse_n, 0.0), axis=1)
     return running_max, running_sum, total
+
+
+@jit
+def row_lse(top, exps):
+    """The log-sum-exp of rows from their max and their sum of exponentials of `shifted`
+    values: NaN for a row that holds a NaN (its sum), +inf for a row whose max is."""
+    lse = tl.where(top == float("inf"), top, finite_shift(top) + tl.log(exps))
+    return tl.where(exps != exps, exps, lse)
 
 
 @jit
@@ -574,9 +590,9 @@ def _cross_entropy_kernel(x_ptr, target_ptr, loss_ptr, lse_ptr, M, N, stride_x,
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = widen(tl.load(x_rows + cols[None, :], mask=mask, other=float("-inf")))
             top = tl.max(x, axis=1)
-            exps = tl.sum(tl.exp(x - finite_shift(top)[:, None]), axis=1)
+            exps = tl.sum(tl.exp(shifted(x, finite_shift(top)[:, None])), axis=1)
             total = tl.sum(tl.where(mask, x * inverse_n, 0.0), axis=1)
-        lse = tl.where(top == float("inf"), top, finite_shift(top) + tl.log(exps))
+        lse = row_lse(top, exps)
         target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)  # integer index
         kept = row_mask & (target != ignore_index)
         # A target outside the columns reads nothing (the host check raised before).
@@ -675,7 +691,7 @@ def _rows_of(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 or logits.shape[1] <= 1 else logits.contiguous()
 
 
-def _wide(logits: torch.Tensor) -> bool:
+def wide_offsets(logits: torch.Tensor) -> bool:
     rows, classes = logits.shape
     return max(rows * classes, (rows - 1) * logits.stride(0) + classes) > INT32_LIMIT
 
@@ -694,7 +710,7 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
         _cross_entropy_kernel[plan.grid](
             logits, target, per_row, lse, rows, classes, logits.stride(0),
             plan.attrs["ignore_index"], plan.attrs["label_smoothing"],
-            LOOPED=plan.tiling.variant == "looped", WIDE=_wide(logits), **plan.tiling.blocks,
+            LOOPED=plan.tiling.variant == "looped", WIDE=wide_offsets(logits), **plan.tiling.blocks,
             **launch_options(plan.tiling))
     if reduction != "none":
         _sum_rows_kernel[(1,)](per_row, target, loss, rows, plan.attrs["ignore_index"],
@@ -714,16 +730,16 @@ def launch_gradient(tiling: Tiling, grid: tuple[int, ...], grad: torch.Tensor,
     """The gradient kernel on ``tiling`` (one of `gradient_tilings`) and its
     `gradient_grid`: ``grad_logits`` (contiguous, any float dtype) of ``logits`` [M, N]
     with unit column stride, the columns of classes ``first_class ..`` of rows of
-    ``classes`` (N when None); ``count`` the mean's `count_kept` (unread by the other
-    reductions)."""
+    ``classes`` (N when None); ``grad``, ``target`` and ``lse`` contiguous; ``count`` the
+    mean's `count_kept` (unread by the other reductions)."""
     rows, width = logits.shape
     _cross_entropy_backward_kernel[grid](
-        grad.contiguous(), logits, target, lse.contiguous(), count, grad_logits, rows, width,
+        grad, logits, target, lse, count, grad_logits, rows, width,
         logits.stride(0), first_class, width if classes is None else classes,
         attrs["ignore_index"], attrs["label_smoothing"],
         PER_ROW=attrs["reduction"] == "none", MEAN=attrs["reduction"] == "mean",
-        WIDE=_wide(logits), BLOCK_M=tiling.blocks["BLOCK_M"], BLOCK_N=tiling.blocks["BLOCK_N"],
-        **launch_options(tiling))
+        WIDE=wide_offsets(logits), BLOCK_M=tiling.blocks["BLOCK_M"],
+        BLOCK_N=tiling.blocks["BLOCK_N"], **launch_options(tiling))
 
 
 @CROSS_ENTROPY_BACKWARD.launcher("triton")
@@ -735,8 +751,8 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     if plan.attrs["reduction"] == "mean":
         count = workspace.view(torch.float32)
         count_kept(target, plan.attrs["ignore_index"], count)
-    launch_gradient(plan.tiling, plan.grid, grad, logits, target, lse, count, outputs[0],
-                    plan.attrs)
+    launch_gradient(plan.tiling, plan.grid, grad.contiguous(), logits, target,
+                    lse.contiguous(), count, outputs[0], plan.attrs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,6 @@ from opforge.core.opdef import (
 )
 from opforge.core.shapes import is_unknown_rank
 from opforge.core.tiling import (
-    INT32_LIMIT,
     LOOP_BLOCK,
     ROWS_TILE,
     cdiv,
@@ -79,8 +78,8 @@ BACKWARD_NAME = "fused_linear_cross_entropy_backward"
 # A block holds at least as many logits as this many tokens' rows: fewer classes a block
 # would make the products too thin to keep the tensor cores busy.
 MIN_BLOCK_ROWS = 64
-# Rows of a tile of the Triton kernels on a block's logits.
-MAX_TILE_ROWS = 16
+# Rows of a tile of the Triton kernels on a block's logits at most (see `_tiling`).
+MAX_TILE_ROWS = 4
 # The precision sweep's one shape of hidden, and its head's classes.
 SWEEP_SHAPE = (33, 17)
 SWEEP_CLASSES = 257
@@ -172,7 +171,8 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     block = class_block(tokens, hidden_size, classes)
     block_n = min(next_power_of_2(block), LOOP_BLOCK, hardware.max_tile_elements)
     # NOTE: sm_90 (compile-check): the row statistics' kernel spills at 128 rows of 32
-    # columns (a running max, sum and total a row); 16 rows keep it in registers.
+    # columns and at 8 rows of 512 (a running max, sum and total a row); 4 rows keep it
+    # in registers. Llama-sized blocks take one row of 4096 columns.
     block_m = max(1, min(MAX_TILE_ROWS, next_power_of_2(max(tokens, 1)), ROWS_TILE // block_n))
     return [Tiling("class_blocks", {"CLASS_BLOCK": block, "BLOCK_M": block_m,
                                     "BLOCK_N": block_n}, 0,
@@ -412,6 +412,9 @@ def _merge_block_kernel(x_ptr, target_ptr, lse_ptr, picked_ptr, total_ptr, M, N,
         shift = finite_shift(both)
         merged = shift + tl.log(tl.exp(previous - shift) + exps * tl.exp(top - shift))
         merged = tl.where(both == float("inf"), both, merged)
+        # A NaN, in this block's logits or an earlier block's lse, stays: a GPU's max skips
+        # it.
+        merged = tl.where((exps != exps) | (previous != previous), float("nan"), merged)
         tl.store(lse_ptr + rows, merged, mask=row_mask)  # float32 statistic
         if PICK:
             target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)  # integer index
@@ -431,7 +434,7 @@ def _merge_block(plan: object, logits: torch.Tensor, target: torch.Tensor, first
                  total: torch.Tensor | None = None) -> None:
     """A block's share of each row's statistics, in place: its log-sum-exp merged into
     ``lse``; with ``picked``, the target's logit where it falls in the block; with
-    ``total``, the sum of the row's logits over the classes."""
+    ``total``, the row's logits, each divided by the classes, summed."""
     classes, ignore_index = _geometry(plan.inputs)[2], plan.attrs["ignore_index"]
     rows, width = logits.shape
     if plan.backend == "triton":
@@ -440,7 +443,7 @@ def _merge_block(plan: object, logits: torch.Tensor, target: torch.Tensor, first
             logits, target, lse, lse if picked is None else picked,
             lse if total is None else total, rows, width, logits.stride(0), first_class,
             classes, ignore_index, PICK=picked is not None, SUM=total is not None,
-            WIDE=rows * width > INT32_LIMIT, BLOCK_M=blocks["BLOCK_M"],
+            WIDE=cross_entropy.wide_offsets(logits), BLOCK_M=blocks["BLOCK_M"],
             BLOCK_N=blocks["BLOCK_N"], **launch_options(plan.tiling))
         return
     x = logits.to(lse.dtype)
@@ -511,7 +514,8 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
     """Block by block of classes, over all tokens: the block's logits again, their gradient
     from the forward's lse (without one, a first pass over the blocks merges it), the
     block's grad_weight, and its share of grad_hidden summed in float32."""
-    grad, (hidden, weight, target), lse = inputs[0], _dense(*inputs[1:4]), inputs[4]
+    grad, (hidden, weight, target) = inputs[0].contiguous(), _dense(*inputs[1:4])
+    lse = None if inputs[4] is None else inputs[4].contiguous()
     grad_hidden, grad_weight = outputs
     if not hidden.shape[0]:
         grad_weight.zero_()
