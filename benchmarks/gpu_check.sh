@@ -17,7 +17,8 @@
 #                  beside torch eager, torch.compile and Liger-Kernel)
 #   linear_cross_entropy  benchmarks/linear_cross_entropy_memory.py: peak memory and time of
 #                  the fused linear cross-entropy (N 8192, H 4096, V 128256, bf16) beside the
-#                  unfused pair and Liger-Kernel's
+#                  unfused pair and Liger-Kernel's, and each one's device time in products
+#                  and in the rest (one profiled step)
 #   hf_step        benchmarks/hf_training_step.py: a Llama-shaped model's training step
 #                  (4 layers of Llama-3-8B's shapes, bf16, 2 x 4096 tokens) unpatched,
 #                  opforge-patched (with its attention, and with transformers' SDPA) and

@@ -13,7 +13,8 @@ it (on CUDA the allocator's peak; on the CPU the live bytes of every tensor an o
 made, counted by a dispatch mode), against the unfused logits and loss (``N V`` elements
 in the inputs' dtype, and N float32), the median time of ``--repeats`` steps, and the
 loss's and gradients' errors against float64 (CPU) or against the float32 unfused pair
-(CUDA).
+(CUDA); on CUDA, each implementation's device time in products (matmuls) and in the rest,
+and its slowest kernels, from one profiled step.
 
 Usage::
 
@@ -161,6 +162,30 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-300))
 
 
+# Kernel names of the products: opforge's matmul, cuBLAS's and CUTLASS's GEMMs.
+PRODUCT_KERNELS = ("matmul", "gemm", "cutlass", "xmma", "nvjet")
+
+
+def kernel_breakdown(steps: Sequence[tuple[str, Step]], leaves: Sequence[torch.Tensor],
+                     target: torch.Tensor, shown: int = 8) -> list[str]:
+    """Markdown: per implementation, the device µs of one step's products (matmuls) and of
+    the rest, then its slowest kernels (torch.profiler): where a step's time goes beyond
+    the products it must make."""
+    from kernel_breakdown import kernel_times
+
+    lines = ["| implementation | products µs | rest µs | slowest kernels (µs per step, "
+             "launches) |", "|---|---:|---:|---|"]
+    for name, step in steps:
+        kernels = kernel_times(lambda step=step: step(*leaves, target), iterations=1)
+        products = sum(us for kernel, us, _ in kernels
+                       if any(word in kernel.lower() for word in PRODUCT_KERNELS))
+        rest = sum(us for _, us, _ in kernels) - products
+        slowest = "; ".join(f"{kernel[:48]} {us:.0f} ({count})"
+                            for kernel, us, count in kernels[:shown])
+        lines.append(f"| {name} | {products:.0f} | {rest:.0f} | {slowest} |")
+    return [*lines, ""]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -217,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "grad_hidden_rel_error": f"{errors[1]:.2e}",
                      "grad_weight_rel_error": f"{errors[2]:.2e}"})
         print(rows[-1], flush=True)
+    breakdown = kernel_breakdown(steps, leaves, target) if gpu else []
     env = environment(device)
     config = {"tokens": tokens, "hidden": hidden_size, "classes": classes,
               "dtype": str(dtype).removeprefix("torch."), "golden": str(wide),
@@ -233,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += ["", "Peak: bytes allocated during one forward + backward above those held "
               "before it, the gradients of hidden and weight included; \"beyond the "
               "gradients\" takes them out. Errors: relative L2 against the golden "
-              f"({wide}).", ""] + [f"- {k}: {v}" for k, v in env.items()]
+              f"({wide}).", ""] + breakdown + [f"- {k}: {v}" for k, v in env.items()]
     csv_path, md_path = write_results(args.out, "linear_cross_entropy",
                                       [{**env, **config, **r} for r in rows],
                                       "\n".join(lines) + "\n")

@@ -86,3 +86,24 @@ def test_the_cache_hint_variants_run(tmp_path, monkeypatch):
     rows = [line for line in report.read_text().splitlines() if line.startswith("| copy")
             or line.startswith("| softmax")]
     assert len(rows) == 1 + 2 * len(cache_hints.HINTS)
+
+
+def test_the_loss_breakdown_tells_products_from_the_rest(monkeypatch):
+    """benchmarks/linear_cross_entropy_memory.py's CUDA table: each implementation's step
+    runs once under the profiler (faked here), matmuls and GEMMs count as products,
+    every other kernel as the rest."""
+    import kernel_breakdown
+    import linear_cross_entropy_memory as memory
+
+    ran = []
+
+    def kernel_times(step, iterations):
+        step()
+        return [("_matmul_kernel", 10.0, 4), ("sm90_xmma_gemm_bf16bf16", 5.0, 1),
+                ("_merge_block_kernel", 2.0, 1), ("vectorized_elementwise_kernel", 1.0, 2)]
+
+    monkeypatch.setattr(kernel_breakdown, "kernel_times", kernel_times)
+    lines = memory.kernel_breakdown([("fused", lambda *tensors: ran.append(len(tensors)))],
+                                    [torch.ones(1), torch.ones(1)], torch.zeros(1))
+    assert ran == [3]
+    assert lines[2].startswith("| fused | 15 | 3 | _matmul_kernel 10 (4); ")
