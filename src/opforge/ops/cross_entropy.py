@@ -195,15 +195,15 @@ def _tiling(backward: bool) -> object:
     return tiling
 
 
-def gradient_tilings(rows: int, classes: int, per_element: int, hardware: HardwareProfile
-                     ) -> list[Tiling]:
-    """The gradient kernel's ``tiles`` of ``BLOCK_M`` rows by ``BLOCK_N`` columns of
-    [rows, classes] logits, the widest first; ``per_element``: on-chip bytes an element
-    takes."""
+def gradient_tilings(rows: int, classes: int, per_element: int, hardware: HardwareProfile,
+                     max_rows: int = ROWS_TILE) -> list[Tiling]:
+    """The gradient kernel's ``tiles`` of ``BLOCK_M`` rows (``max_rows`` at most) by
+    ``BLOCK_N`` columns of [rows, classes] logits, the widest first; ``per_element``:
+    on-chip bytes an element takes."""
     candidates = []
     block = min(next_power_of_2(max(classes, 1)), LOOP_BLOCK, hardware.max_tile_elements)
     while True:
-        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block))
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), ROWS_TILE // block, max_rows))
         candidates.append(Tiling("tiles", {"BLOCK_M": block_m, "BLOCK_N": block},
                                  block_m * block * per_element,
                                  options={"warps": gpu_warps(block_m * block, hardware)}))

@@ -55,15 +55,7 @@ from opforge.core.opdef import (
     Tiling,
 )
 from opforge.core.shapes import is_unknown_rank
-from opforge.core.tiling import (
-    LOOP_BLOCK,
-    ROWS_TILE,
-    cdiv,
-    gpu_warps,
-    launch_options,
-    next_power_of_2,
-    persistent_grid,
-)
+from opforge.core.tiling import cdiv, launch_options, persistent_grid
 from opforge.library import register_op
 from opforge.ops import cross_entropy
 from opforge.ops._elementwise import random_input
@@ -78,7 +70,10 @@ BACKWARD_NAME = "fused_linear_cross_entropy_backward"
 # A block holds at least as many logits as this many tokens' rows: fewer classes a block
 # would make the products too thin to keep the tensor cores busy.
 MIN_BLOCK_ROWS = 64
-# Rows of a tile of the Triton kernels on a block's logits at most (see `_tiling`).
+# Rows of a tile of the Triton kernels on a block's logits at most. NOTE: sm_90
+# (compile-check): the row statistics' kernel spills at 128 rows of 32 columns and at 8
+# rows of 512 (a running max, sum and total a row); 4 keep it in registers. Llama-sized
+# blocks take 2 rows of 2048 columns on a GPU (its tile limit), 1 of 4096 on Ascend.
 MAX_TILE_ROWS = 4
 # The precision sweep's one shape of hidden, and its head's classes.
 SWEEP_SHAPE = (33, 17)
@@ -169,14 +164,15 @@ def _tiling(inputs: Specs, outputs: Specs, attrs: Attrs, hardware: HardwareProfi
     gradient) tiles of ``BLOCK_M`` rows by ``BLOCK_N`` columns."""
     tokens, hidden_size, classes = _geometry(inputs)
     block = class_block(tokens, hidden_size, classes)
-    block_n = min(next_power_of_2(block), LOOP_BLOCK, hardware.max_tile_elements)
-    # NOTE: sm_90 (compile-check): the row statistics' kernel spills at 128 rows of 32
-    # columns and at 8 rows of 512 (a running max, sum and total a row); 4 rows keep it
-    # in registers. Llama-sized blocks take one row of 4096 columns.
-    block_m = max(1, min(MAX_TILE_ROWS, next_power_of_2(max(tokens, 1)), ROWS_TILE // block_n))
-    return [Tiling("class_blocks", {"CLASS_BLOCK": block, "BLOCK_M": block_m,
-                                    "BLOCK_N": block_n}, 0,
-                   options={"warps": gpu_warps(block_m * block_n, hardware)})]
+    # On chip a tile holds the float32 logits, their exponentials and the gradient.
+    candidates = cross_entropy.gradient_tilings(
+        tokens, block, 8 + inputs[1 if len(inputs) == 5 else 0].itemsize, hardware,
+        max_rows=MAX_TILE_ROWS)
+    tiles = next((t for t in candidates
+                  if t.onchip_bytes <= hardware.onchip_limit(t.double_buffered)),
+                 candidates[-1])
+    return [Tiling("class_blocks", {"CLASS_BLOCK": block, **tiles.blocks}, tiles.onchip_bytes,
+                   tiles.double_buffered, tiles.options)]
 
 
 def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
