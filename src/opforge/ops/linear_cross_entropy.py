@@ -355,36 +355,7 @@ def backward_reference(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.T
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers (both backends: the steps run on the backend in use)
-
-
-def _blocks(plan: object) -> list[tuple[str, int, int]]:
-    """(step suffix, start, end) of each block of classes: the full blocks share one plan
-    per step, the shorter last block another."""
-    geometry = _geometry(plan.inputs)
-    size = plan.tiling.blocks["CLASS_BLOCK"] if plan.tiling is not None \
-        else class_block(*geometry)
-    return [("" if end - start == size else "_tail", start, end)
-            for start in range(0, geometry[2], size)
-            for end in (min(start + size, geometry[2]),)]
-
-
-def _dense(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs as contiguous tensors (a copy only of a strided view): each block's
-    products then take the same path, so a view gives the contiguous call's bits."""
-    return hidden.contiguous(), weight.contiguous(), target.contiguous()
-
-
-def _class_blocks(plan: object, hidden: torch.Tensor, weight: torch.Tensor
-                  ) -> Iterator[tuple[str, int, int, torch.Tensor]]:
-    """(step suffix, first class, end class, logits) of each block of classes over all
-    tokens, by the same matmul steps in the forward and the backward, so that both passes
-    see bitwise the same logits (for 16-bit inputs the float32 accumulator, unrounded)."""
-    narrow = hidden.element_size() == 2
-    for suffix, start, end in _blocks(plan):
-        yield suffix, start, end, plan.run_step("block_logits" + suffix, "matmul", hidden,
-                                        weight[start:end].T, float32_out=narrow)
+# Kernels
 
 
 @jit
@@ -423,6 +394,39 @@ def _merge_block_kernel(x_ptr, target_ptr, lse_ptr, picked_ptr, total_ptr, M, N,
         if SUM:
             total += tl.load(total_ptr + rows, mask=row_mask)  # float32 statistic
             tl.store(total_ptr + rows, total, mask=row_mask)  # float32 statistic
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (both backends: the steps run on the backend in use)
+
+
+def _blocks(plan: object) -> list[tuple[str, int, int]]:
+    """(step suffix, start, end) of each block of classes: the full blocks share one plan
+    per step, the shorter last block another."""
+    geometry = _geometry(plan.inputs)
+    size = plan.tiling.blocks["CLASS_BLOCK"] if plan.tiling is not None \
+        else class_block(*geometry)
+    return [("" if end - start == size else "_tail", start, end)
+            for start in range(0, geometry[2], size)
+            for end in (min(start + size, geometry[2]),)]
+
+
+def _dense(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs as contiguous tensors (a copy only of a strided view): each block's
+    products then take the same path, so a view gives the contiguous call's bits."""
+    return hidden.contiguous(), weight.contiguous(), target.contiguous()
+
+
+def _class_blocks(plan: object, hidden: torch.Tensor, weight: torch.Tensor
+                  ) -> Iterator[tuple[str, int, int, torch.Tensor]]:
+    """(step suffix, first class, end class, logits) of each block of classes over all
+    tokens, by the same matmul steps in the forward and the backward, so that both passes
+    see bitwise the same logits (for 16-bit inputs the float32 accumulator, unrounded)."""
+    narrow = hidden.element_size() == 2
+    for suffix, start, end in _blocks(plan):
+        yield suffix, start, end, plan.run_step("block_logits" + suffix, "matmul", hidden,
+                                        weight[start:end].T, float32_out=narrow)
 
 
 def _merge_block(plan: object, logits: torch.Tensor, target: torch.Tensor, first_class: int,
