@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import types
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,11 @@ class Plan:
         variant = self.tiling.variant if self.tiling else "-"
         return (f"Plan({self.op.name}({ins}) -> [{outs}], backend={self.backend}, "
                 f"tiling={variant}, grid={self.grid}, workspace={self.workspace_bytes} B)")
+
+    @property
+    def steps(self) -> Mapping[str, Plan]:
+        """A composite operator's step plans by name, as its runs have made them."""
+        return types.MappingProxyType(self._steps)
 
     def run_step(self, name: str, op: str | OpDef, *tensors: torch.Tensor | None,
                  out: torch.Tensor | Sequence[torch.Tensor] | None = None,

@@ -44,6 +44,7 @@ from opforge.core.errors import DtypeError, ShapeError
 from opforge.core.hardware import HardwareProfile
 from opforge.core.opdef import (
     Attrs,
+    BenchSpec,
     Case,
     Cost,
     KnownLimitation,
@@ -180,6 +181,56 @@ def _grid(tiling: Tiling, inputs: Specs, outputs: Specs, attrs: Attrs,
     return (cdiv(_geometry(inputs)[2], tiling.blocks["CLASS_BLOCK"]),)
 
 
+def _kernel_costs(backward: bool) -> object:
+    """This operator's own kernels, each launched once a block of classes (the last block
+    shorter): a launch's cost is its share of the call's. The row statistics' kernel reads
+    a block's logits once (float32 for 16-bit inputs) and merges each row's lse; the
+    gradient kernel reads them once and writes the block's gradient. The products are
+    matmul's steps, with their own account; the torch operations between the kernels (the
+    float32 sum of grad_hidden's shares, the loss's reduction) are not kernels and are not
+    counted here."""
+    def kernel_costs(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, outputs: Specs,
+                     attrs: Attrs) -> dict[str, Cost]:
+        tokens, _, classes = _geometry(inputs)
+        blocks = grid[0]
+        if not tokens or not blocks:
+            return {}
+        hidden, target = (inputs[1], inputs[3]) if backward else (inputs[0], inputs[2])
+        wide = max(4, hidden.itemsize)  # the logits' and the statistics' bytes
+        logits = tokens * classes * wide
+        targets = tokens * target.itemsize
+        merge_flops = 5 * tokens * classes
+        if not backward:
+            smoothing = 2 * tokens * wide if attrs["label_smoothing"] else 0
+            merged = logits + blocks * (targets + 2 * tokens * wide + smoothing) \
+                + tokens * wide  # each target's logit written once, in its block
+            return {"_merge_block_kernel": Cost(merge_flops // blocks, merged // blocks)}
+        grad = inputs[0].numel * inputs[0].itemsize
+        mean = attrs["reduction"] == "mean"
+        gradient = logits + tokens * classes * hidden.itemsize + blocks * (
+            targets + tokens * wide + grad + (4 if mean else 0))
+        costs = {"_cross_entropy_backward_kernel": Cost(4 * tokens * classes // blocks,
+                                                        gradient // blocks)}
+        if mean:
+            costs["_count_kept_kernel"] = Cost(tokens, targets + 4)
+        if inputs[4] is None:
+            costs["_merge_block_kernel"] = Cost(
+                merge_flops // blocks, (logits + blocks * 2 * tokens * wide) // blocks)
+        return costs
+    return kernel_costs
+
+
+def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> Case:
+    """Tokens, hidden size and classes: a head of columns of norm about 1 (logits of unit
+    scale), uniform targets."""
+    tokens, hidden_size, classes = shape
+    return Case("", (random_input((tokens, hidden_size), dtype, device, generator),
+                     random_input((classes, hidden_size), dtype, device, generator,
+                              scale=hidden_size ** -0.5),
+                     cross_entropy.random_targets(tokens, classes, device, generator)), {})
+
+
 def _samples(dtype: torch.dtype, device: torch.device, generator: torch.Generator
              ) -> list[Case]:
     def case(name: str, tokens: int, hidden_size: int, classes: int, ignored: float = 0.0,
@@ -299,11 +350,13 @@ FUSED_LINEAR_CROSS_ENTROPY = OpDef(
     infer_shape=lambda inputs, attrs: cross_entropy.loss_shapes(inputs[0], attrs),
     infer_dtype=lambda inputs, attrs: [inputs[0].dtype, statistics_dtype(inputs[0].dtype)],
     check=_check(NAME, False), check_values=_check_values, cost=_cost(False),
-    tiling=_tiling, grid=_grid, samples=_samples, error_scale=_error_scale,
-    held_launches=False,
+    tiling=_tiling, grid=_grid, kernel_costs=_kernel_costs(False), samples=_samples,
+    error_scale=_error_scale, held_launches=False,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_peer, sweep=_sweep,
                             known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS,
-                                               PEER_OVERFLOWS)))
+                                               PEER_OVERFLOWS)),
+    bench=BenchSpec(shapes=((8192, 4096, 128256), (4096, 4096, 32000)),
+                    cpu_shapes=((256, 64, 4096),), case=_bench_case, metric="TFLOP/s"))
 
 FUSED_LINEAR_CROSS_ENTROPY_BACKWARD = OpDef(
     name=BACKWARD_NAME, doc="(grad_hidden, grad_weight) of fused_linear_cross_entropy, "
@@ -317,8 +370,8 @@ FUSED_LINEAR_CROSS_ENTROPY_BACKWARD = OpDef(
     infer_shape=lambda inputs, attrs: [tuple(inputs[1].shape), tuple(inputs[2].shape)],
     infer_dtype=lambda inputs, attrs: [inputs[1].dtype, inputs[2].dtype],
     check=_check(BACKWARD_NAME, True), check_values=_check_values, cost=_cost(True),
-    tiling=_tiling, grid=_grid, samples=_backward_samples, error_scale=_error_scale,
-    held_launches=False,
+    tiling=_tiling, grid=_grid, kernel_costs=_kernel_costs(True), samples=_backward_samples,
+    error_scale=_error_scale, held_launches=False,
     precision=PrecisionSpec("benchmark_ratio", "L0", _torch_peer_backward,
                             sweep=_backward_sweep,
                             known_limitations=(SHARED_ROW_STATISTIC, OVERFLOWING_LOGITS,

@@ -141,7 +141,9 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
                 case = case_at(opdef, spec, tuple(shape), dtype, device)
                 planned = plan(opdef, *case.inputs, **case.attrs)
                 cost = planned.cost
-                # Every benchmarked operator launches each kernel of its account once.
+                # Each kernel of the account launched once: true of every benchmarked
+                # operator but a composite (its steps, its kernels once a block of
+                # classes), whose account `opforge traffic` counts launch by launch.
                 planned_moved = planned_bytes(planned, defaultdict(lambda: 1))
                 refused = ""
         except Exception as failure:  # reported with the size it failed for
@@ -168,7 +170,7 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
                 None if seconds is None else cost.bytes_moved / seconds / 1e9,
                 None if seconds is None else cost.flops / seconds / 1e12, None,
                 float(cost.flops), float(cost.bytes_moved), error,
-                float(planned_moved) if impl == "opforge" else None))
+                float(planned_moved) if impl == "opforge" and not planned.steps else None))
         for result in results:
             if result.shape == label and result.ms and baseline:
                 result.speedup = baseline * 1e3 / result.ms

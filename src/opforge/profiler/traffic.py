@@ -37,6 +37,7 @@ from opforge.core import backends
 from opforge.core.hardware import use_hardware
 from opforge.core.opdef import Case, OpDef
 from opforge.core.plan import plan as make_plan
+from opforge.core.plan import set_run_observer
 
 # Addresses kept per kernel before they are made unique (bounds memory on long runs).
 _COMPACT_AT = 1 << 22
@@ -180,6 +181,9 @@ def counting() -> Iterator[dict[str, KernelTraffic]]:
         name = self.fn.__name__
         counter = kernels.setdefault(name, KernelTraffic(name))
         counter.launches += 1
+        by_plan = getattr(_counters, "plan_launches", None)
+        if by_plan is not None:
+            by_plan[name] = by_plan.get(name, 0) + 1
         outer, _counters.current = getattr(_counters, "current", None), counter
         try:
             return run(self, *args, **kwargs)
@@ -224,6 +228,27 @@ def planned_bytes(plan: Any, launches: dict[str, int]) -> int:
     return plan.cost.bytes_moved
 
 
+@contextlib.contextmanager
+def _launches_by_run(runs: list[tuple[Any, dict[str, int]]]) -> Iterator[None]:
+    """Each plan run in the block (a composite's steps included) appended to ``runs`` with
+    the launches made by its own launcher, not its steps'."""
+    @contextlib.contextmanager
+    def observed(run_plan: Any) -> Iterator[None]:
+        launches: dict[str, int] = {}
+        runs.append((run_plan, launches))
+        outer, _counters.plan_launches = getattr(_counters, "plan_launches", None), launches
+        try:
+            yield
+        finally:
+            _counters.plan_launches = outer
+
+    previous = set_run_observer(observed)
+    try:
+        yield
+    finally:
+        set_run_observer(previous)
+
+
 def audit(op: OpDef, case: Case, hardware: str | None = None) -> CallTraffic:
     """The traffic of ``op`` on ``case`` (a call's inputs and attributes) run on the
     Triton backend under the interpreter, tiled for ``hardware`` (a profile name; the
@@ -240,12 +265,13 @@ def audit(op: OpDef, case: Case, hardware: str | None = None) -> CallTraffic:
         planned = make_plan(op, *case.inputs, **case.attrs)
         inputs = [t.clone() if i in op.mutated_inputs else t for i, t in
                   enumerate(case.inputs)]
-        with counting() as kernels:
+        runs: list[tuple[Any, dict[str, int]]] = []
+        with counting() as kernels, _launches_by_run(runs):
             planned.run(*inputs)
     variant = planned.tiling.variant if planned.tiling else "-"
-    launches = {name: counter.launches for name, counter in kernels.items()}
     return CallTraffic(op.name, case.name, variant, planned.cost.bytes_moved,
-                       planned_bytes(planned, launches), tuple(kernels.values()))
+                       sum(planned_bytes(run, launches) for run, launches in runs),
+                       tuple(kernels.values()))
 
 
 def bench_cases(op: OpDef, dtype: torch.dtype, shapes: Sequence[tuple[int, ...]] | None,
