@@ -49,6 +49,14 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     elif kind == "qwen3":
         config = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=16,
                                           **overrides)
+    elif kind in ("gemma", "gemma2", "gemma3_text"):  # sliding windows in gemma2 and 3
+        config = getattr(transformers, {"gemma": "GemmaConfig", "gemma2": "Gemma2Config",
+                                        "gemma3_text": "Gemma3TextConfig"}[kind])(**{
+            **common, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4,
+            **overrides})
+    elif kind == "phi3":  # half the head dims rotated, as Phi-4-mini's three quarters
+        config = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0,
+                                         partial_rotary_factor=0.5, **overrides)
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -61,11 +69,14 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
             "routed_scaling_factor": 2.5, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config)
-    # Random weights with the scale of trained ones (the routers start at zero).
+    # Random weights with the scale of trained ones (the routers start at zero; Gemma's
+    # norms at 1 + 0).
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0, 0.05)
+            elif kind.startswith("gemma"):
+                parameter.normal_(0, 0.1)
     _MODELS.append(model)
     return model.eval()
 
@@ -112,7 +123,8 @@ def calls(monkeypatch):
     counted: dict[str, int] = {}
     for module, name in ((opforge.hf, "attention"), (opforge.hf, "rms_norm"),
                          (opforge.hf, "rope"), (opforge.functional, "silu_mul"),
-                         (opforge.hf, "cross_entropy"), (opforge.hf, "moe_gating_top_k"),
+                         (opforge.hf, "swiglu"), (opforge.hf, "cross_entropy"),
+                         (opforge.hf, "moe_gating_top_k"),
                          (opforge.hf, "fused_linear_cross_entropy")):
         real = getattr(module, name)
 
@@ -125,7 +137,7 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3"])
 def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, calls):
     """Logits and every parameter gradient of a training step with a left-padded batch:
     the patched model's error against a float64 copy is at most 2x the unpatched model's
@@ -138,9 +150,12 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     patched_logits, patched_grads = _step(model, ids, attention_mask)
     assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
     assert calls["attention"] == 2 and calls["rms_norm"] >= 5 and calls["cross_entropy"] == 1
-    assert calls["rope"] == 4 and ("silu_mul" in calls) == ("swiglu_mlp" in report.patched)
+    assert calls["rope"] == 4
+    assert calls.get("silu_mul", 0) + calls.get("swiglu", 0) == len(
+        report.patched.get("swiglu_mlp", []))
     assert calls.get("moe_gating_top_k", 0) == len(report.patched.get("moe_router", []))
-    assert ("moe_router" in report.patched) == (kind != "llama")
+    assert ("moe_router" in report.patched) == (kind in ("qwen3_moe", "deepseek_v3"))
+    assert ("gelu_mlp" in report.left) == kind.startswith("gemma")
     floor = 4 * torch.finfo(torch.float32).eps
     valid = attention_mask.bool()
     pairs = [(patched_logits, plain_logits, golden_logits, valid)]
@@ -161,7 +176,7 @@ def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3"])
 def test_training_takes_the_fused_loss_and_makes_no_logits(kind, dtype, calls):
     """In training with labels the loss comes from fused_linear_cross_entropy on the last
     hidden states (logits None): the loss (Qwen3-MoE's with its router loss) in
@@ -254,8 +269,9 @@ def test_the_fused_loss_forward_behaves_as_the_model_s_own():
     assert model(ids, labels=ids).logits.shape == (*ids.shape, VOCAB)
 
 
-def test_a_padded_batch_equals_each_sequence_alone():
-    model = _tiny("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_a_padded_batch_equals_each_sequence_alone(kind):
+    model = _tiny(kind)
     opforge.patch(model)
     ids, attention_mask = _batch()
     with torch.no_grad():
@@ -540,7 +556,7 @@ def test_a_patched_model_trains():
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma"])
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """The other supported model types: every component patched (Mistral's sliding
     window over a padded batch reaches opforge's attention as transformers' boolean mask),
@@ -557,3 +573,42 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     assert calls["attention"] == 2 and calls["rope"] == 4
     valid = attention_mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(calls):
+    """Gemma 2 soft-caps its attention scores and its logits: the report leaves attention
+    and the fused loss with the reasons, the norms (1 + weight) and rotary functions are
+    opforge's, and a training step's loss and gradients equal the unpatched model's within
+    float32 rounding."""
+    model = _tiny("gemma2")
+    ids, attention_mask = _batch()
+    plain, plain_grads = _training_step(model, ids, attention_mask)
+    implementation = model.config._attn_implementation
+    report = opforge.patch(model)
+    patched, patched_grads = _training_step(model, ids, attention_mask)
+    assert "soft-caps" in report.left["attention"] and "soft-capped" in report.left["fused_loss"]
+    assert {"rms_norm", "rope", "loss"} <= set(report.patched) and "attention" not in calls
+    assert calls["rms_norm"] == 9 and calls["rope"] == 4 and calls["cross_entropy"] == 1
+    assert model.config._attn_implementation == implementation
+    torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_partial_rotary_embedding_rotates_the_leading_dims_only():
+    """Phi-3's rotary function with cos and sin over half the head dims: opforge's rotates
+    those dims as transformers' does and passes the rest through bit for bit."""
+    model = _tiny("phi3")
+    from transformers.models.phi3 import modeling_phi3
+
+    own = modeling_phi3.apply_rotary_pos_emb
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 5, 16, generator=generator) for _ in range(2))
+    angles = torch.randn(2, 5, 4, generator=generator)
+    cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
+    expected = own(q, k, cos, sin)
+    opforge.patch(model)
+    got = modeling_phi3.apply_rotary_pos_emb(q, k, cos, sin)
+    for g, e, t in zip(got, expected, (q, k), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+        assert torch.equal(g[..., 8:], t[..., 8:])

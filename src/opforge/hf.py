@@ -5,16 +5,21 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 
 - every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
   result in torch's promoted dtype of the input and the weight, as the module gives it);
+  Gemma's, which scales by ``1 + weight`` in float32 and rounds once to the input's
+  dtype, by `opforge.rms_norm` with that float32 scale;
 - every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
   up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
-  forward and three backward);
+  forward and three backward); Phi-3's, whose one projection holds gate and up, by
+  ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated MLP is left;
 - the attention, through transformers' attention-interface registry under the name
-  ``"opforge"``: `opforge.attention` with the boolean masks transformers builds for it
+  ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2):
+  `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
   sliding window as the kernels' band; padding-free packed batches by
   `opforge.attention_varlen`, their window as its band;
 - the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
-  interleaved pairs as ``interleave_half``);
+  interleaved pairs as ``interleave_half``; a partial rotary embedding, Phi-3's, on the
+  leading dims its cos and sin cover);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
   top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen3-MoE and
   Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited top-k and
@@ -53,14 +58,21 @@ from opforge.functional import (
     moe_gating_top_k,
     rms_norm,
     rope,
+    swiglu,
 )
 
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                         "deepseek_v3")
+                         "deepseek_v3", "phi3", "gemma", "gemma2", "gemma3_text")
+# RMSNorms that scale by 1 + weight, in float32, rounded once to the input's dtype.
+OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
+GATED_GELU_REASON = ("left as transformers computes it: a GELU-gated MLP, for which opforge "
+                     "has no fused gate operator")
+SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its attention "
+                  "scores, which opforge's attention does not")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
                   "that opforge has no grouped-matmul operator for")
 
@@ -104,6 +116,18 @@ _ROPE_OWNERS: dict[str, tuple[int, dict[str, Callable]]] = {}
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     # The dtype is torch's promotion of the input's and the weight's, as transformers'.
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _offset_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Gemma's norm: x's rms-normalised float32 values times 1 + weight in float32, then
+    # x's dtype (one rounding, as transformers' computes it).
+    return rms_norm(x, 1.0 + self.weight.float(), self.eps).to(x.dtype)
+
+
+def _fused_gate_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
+                            ) -> torch.Tensor:
+    # Phi-3's MLP: one projection holds the gate and the up halves, silu(gate) * up.
+    return self.down_proj(swiglu(self.gate_up_proj(hidden_states)))
 
 
 def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
@@ -198,7 +222,12 @@ def _rope_function(mode: str) -> Callable:
               position_ids: object = None, unsqueeze_dim: int = 1
               ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return rope(q, cos, sin, mode), rope(k, cos, sin, mode)
+        rotary = cos.shape[-1]
+        if rotary == q.shape[-1]:
+            return rope(q, cos, sin, mode), rope(k, cos, sin, mode)
+        # A partial rotary embedding rotates the leading dims; the rest pass as they are.
+        return tuple(torch.cat([rope(t[..., :rotary], cos, sin, mode), t[..., rotary:]], -1)
+                     for t in (q, k))
 
     apply.__name__ = f"opforge_rope_{mode}"
     return apply
@@ -376,11 +405,27 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "weight", None), torch.nn.Parameter))
 
 
-def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
-    act = getattr(module, "act_fn", None)
-    return (all(isinstance(getattr(module, name, None), torch.nn.Linear)
-                for name in ("gate_proj", "up_proj", "down_proj"))
-            and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+def _is_offset_rms_norm(module: torch.nn.Module) -> bool:
+    return (type(module).__name__ in OFFSET_RMS_NORMS and hasattr(module, "eps")
+            and isinstance(getattr(module, "weight", None), torch.nn.Parameter))
+
+
+def _is_silu(act: object) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _mlp_forward(module: torch.nn.Module) -> Callable | str | None:
+    """The opforge forward of a gated MLP, the reason one is left, or None for a module
+    that is not a gated MLP."""
+    if all(isinstance(getattr(module, name, None), torch.nn.Linear)
+           for name in ("gate_proj", "up_proj", "down_proj")):
+        return nn.SwiGLUMLP.forward if _is_silu(getattr(module, "act_fn", None)) \
+            else GATED_GELU_REASON
+    if all(isinstance(getattr(module, name, None), torch.nn.Linear)
+           for name in ("gate_up_proj", "down_proj")) \
+            and _is_silu(getattr(module, "activation_fn", None)):
+        return _fused_gate_mlp_forward
+    return None
 
 
 def _router_forward(module: torch.nn.Module) -> Callable | None:
@@ -455,11 +500,15 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
     report = PatchReport(model_type)
     modules: list[torch.nn.Module] = []
     for name, module in model.named_modules():
-        if rms_norm and _is_rms_norm(module):
-            _bind(module, _rms_norm_forward, modules)
+        mlp_forward = _mlp_forward(module) if mlp else None
+        if rms_norm and (_is_rms_norm(module) or _is_offset_rms_norm(module)):
+            _bind(module, _offset_rms_norm_forward if _is_offset_rms_norm(module)
+                  else _rms_norm_forward, modules)
             report.patched.setdefault("rms_norm", []).append(name)
-        elif mlp and _is_swiglu_mlp(module):
-            _bind(module, nn.SwiGLUMLP.forward, modules)
+        elif isinstance(mlp_forward, str):
+            report.left.setdefault("gelu_mlp", mlp_forward)
+        elif mlp_forward is not None:
+            _bind(module, mlp_forward, modules)
             report.patched.setdefault("swiglu_mlp", []).append(name)
         elif router and _router_forward(module) is not None:
             _bind(module, _router_forward(module), modules)
@@ -467,7 +516,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
         elif type(module).__name__.endswith("Experts"):
             report.left.setdefault("moe_experts", EXPERTS_REASON)
     previous = None
-    if attention:
+    if attention and getattr(config, "attn_logit_softcapping", None):
+        report.left["attention"] = SOFTCAP_REASON
+    elif attention:
         _register_attention()
         previous = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
