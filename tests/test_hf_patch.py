@@ -123,7 +123,8 @@ def calls(monkeypatch):
     counted: dict[str, int] = {}
     for module, name in ((opforge.hf, "attention"), (opforge.hf, "rms_norm"),
                          (opforge.hf, "rope"), (opforge.functional, "silu_mul"),
-                         (opforge.hf, "swiglu"), (opforge.hf, "cross_entropy"),
+                         (opforge.hf, "swiglu"), (opforge.functional, "gelu_tanh_mul"),
+                         (opforge.hf, "cross_entropy"),
                          (opforge.hf, "moe_gating_top_k"),
                          (opforge.hf, "fused_linear_cross_entropy")):
         real = getattr(module, name)
@@ -151,11 +152,12 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
     assert calls["attention"] == 2 and calls["rms_norm"] >= 5 and calls["cross_entropy"] == 1
     assert calls["rope"] == 4
-    assert calls.get("silu_mul", 0) + calls.get("swiglu", 0) == len(
-        report.patched.get("swiglu_mlp", []))
+    gated = ("silu_mul", "swiglu", "gelu_tanh_mul")
+    assert sum(calls.get(name, 0) for name in gated) == len(
+        report.patched.get("swiglu_mlp", []) + report.patched.get("geglu_mlp", []))
     assert calls.get("moe_gating_top_k", 0) == len(report.patched.get("moe_router", []))
     assert ("moe_router" in report.patched) == (kind in ("qwen3_moe", "deepseek_v3"))
-    assert ("gelu_mlp" in report.left) == kind.startswith("gemma")
+    assert ("geglu_mlp" in report.patched) == kind.startswith("gemma")
     floor = 4 * torch.finfo(torch.float32).eps
     valid = attention_mask.bool()
     pairs = [(patched_logits, plain_logits, golden_logits, valid)]
@@ -589,6 +591,7 @@ def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(
     assert "soft-caps" in report.left["attention"] and "soft-capped" in report.left["fused_loss"]
     assert {"rms_norm", "rope", "loss"} <= set(report.patched) and "attention" not in calls
     assert calls["rms_norm"] == 9 and calls["rope"] == 4 and calls["cross_entropy"] == 1
+    assert calls["gelu_tanh_mul"] == 2 and len(report.patched["geglu_mlp"]) == 2
     assert model.config._attn_implementation == implementation
     torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
     for name, grad in plain_grads.items():

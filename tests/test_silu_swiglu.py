@@ -1,6 +1,7 @@
-"""SiLU, SwiGLU and silu_mul, the operators made from their math alone (`pointwise`,
-`gated`, `gated_product`): torch's results and gradients over shapes and dims, float64
-gradcheck, the torch_npu signature, every validation path, and one module each."""
+"""SiLU, SwiGLU, silu_mul and gelu_tanh_mul, the operators made from their math alone
+(`pointwise`, `gated`, `gated_product`): torch's results and gradients over shapes and
+dims, float64 gradcheck, the torch_npu signature, every validation path, and one module
+each."""
 
 from __future__ import annotations
 
@@ -84,24 +85,60 @@ def test_silu_mul_promotes_and_returns_each_gradient_in_its_operand_dtype(backen
                                                      up.detach())), (grad_gate, grad_up))
 
 
-class _TorchMLP(torch.nn.Module):
-    """transformers' LlamaMLP in torch operators."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, inner: int, bias: bool) -> None:
+
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       dtype=st.sampled_from(LOW_PRECISION), backend=st.sampled_from(("torch", "triton")))
+def test_gelu_tanh_mul_is_within_the_golden_bound(shape, dtype, backend):
+    generator = torch.Generator().manual_seed(len(shape))
+    gate, up = ((torch.randn(shape, generator=generator) * 3).to(DEVICE, dtype)
+                for _ in range(2))
+    with opforge.use_backend(backend):
+        out = opforge.gelu_tanh_mul(gate, up)
+    assert out.dtype == dtype and out.shape == gate.shape
+    assert_golden(opforge.get_op("gelu_tanh_mul"), Case("drawn", (gate, up)), out)
+
+
+def test_gelu_tanh_mul_gradients_equal_torch_and_gradcheck(backend):
+    """The gradients of ``gelu(gate, 'tanh') * up`` as torch's autograd gives them (the far
+    tails included, where the sigmoid saturates); float64 gradcheck."""
+    gate = torch.cat([torch.randn(6, 8, 5), torch.tensor([-40.0, -9.0, 9.0, 40.0, 0.0])
+                      .expand(6, 8, 5)], -1).to(DEVICE).requires_grad_()
+    up = torch.randn(6, 8, 10, device=DEVICE).requires_grad_()
+    upstream = torch.randn(6, 8, 10, device=DEVICE)
+    ours = torch.autograd.grad(opforge.gelu_tanh_mul(gate, up), (gate, up), upstream)
+    theirs = torch.autograd.grad(_gelu_tanh(gate) * up, (gate, up), upstream)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, torchs, rtol=1e-5, atol=1e-6)
+    pair = [torch.randn(5, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    assert torch.autograd.gradcheck(opforge.gelu_tanh_mul, pair)
+
+
+class _TorchMLP(torch.nn.Module):
+    """transformers' LlamaMLP (SiLU) or GemmaMLP (GELU's tanh form) in torch operators."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool,
+                 act: object = torch.nn.functional.silu) -> None:
         super().__init__()
         self.gate_proj = torch.nn.Linear(hidden, inner, bias)
         self.up_proj = torch.nn.Linear(hidden, inner, bias)
         self.down_proj = torch.nn.Linear(inner, hidden, bias)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+@pytest.mark.parametrize("module, act", [(opforge.nn.SwiGLUMLP, torch.nn.functional.silu),
+                                         (opforge.nn.GeGLUMLP, _gelu_tanh)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_mlp_module_loads_a_transformers_mlp_and_trains_alike(bias, backend):
+def test_gated_mlp_module_loads_a_transformers_mlp_and_trains_alike(bias, module, act,
+                                                                    backend):
     torch.manual_seed(0)
-    reference = _TorchMLP(16, 40, bias).to(DEVICE)
-    ours = opforge.nn.SwiGLUMLP(16, 40, bias=bias, device=DEVICE)
+    reference = _TorchMLP(16, 40, bias, act).to(DEVICE)
+    ours = module(16, 40, bias=bias, device=DEVICE)
     ours.load_state_dict(reference.state_dict())
     x = torch.randn(3, 5, 16, device=DEVICE)
     out, expected = ours(x), reference(x)

@@ -10,7 +10,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 - every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
   up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
   forward and three backward); Phi-3's, whose one projection holds gate and up, by
-  ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated MLP is left;
+  ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's tanh
+  form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2):
   `opforge.attention` with the boolean masks transformers builds for it
@@ -69,8 +70,10 @@ OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
-GATED_GELU_REASON = ("left as transformers computes it: a GELU-gated MLP, for which opforge "
-                     "has no fused gate operator")
+GATED_ERF_GELU_REASON = ("left as transformers computes it: an MLP gated by GELU's erf form "
+                         "(opforge's gated GELU is the tanh form)")
+# transformers' activations that are GELU's tanh form.
+GELU_TANH_ACTIVATIONS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation")
 SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its attention "
                   "scores, which opforge's attention does not")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
@@ -414,17 +417,21 @@ def _is_silu(act: object) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _mlp_forward(module: torch.nn.Module) -> Callable | str | None:
-    """The opforge forward of a gated MLP, the reason one is left, or None for a module
-    that is not a gated MLP."""
+def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
+    """(report component, opforge forward) of a gated MLP, the reason one is left, or None
+    for a module that is not a gated MLP (or one of another activation)."""
     if all(isinstance(getattr(module, name, None), torch.nn.Linear)
            for name in ("gate_proj", "up_proj", "down_proj")):
-        return nn.SwiGLUMLP.forward if _is_silu(getattr(module, "act_fn", None)) \
-            else GATED_GELU_REASON
+        act = getattr(module, "act_fn", None)
+        if _is_silu(act):
+            return "swiglu_mlp", nn.SwiGLUMLP.forward
+        if type(act).__name__ in GELU_TANH_ACTIVATIONS:
+            return "geglu_mlp", nn.GeGLUMLP.forward
+        return GATED_ERF_GELU_REASON if type(act).__name__ == "GELUActivation" else None
     if all(isinstance(getattr(module, name, None), torch.nn.Linear)
            for name in ("gate_up_proj", "down_proj")) \
             and _is_silu(getattr(module, "activation_fn", None)):
-        return _fused_gate_mlp_forward
+        return "swiglu_mlp", _fused_gate_mlp_forward
     return None
 
 
@@ -506,10 +513,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                   else _rms_norm_forward, modules)
             report.patched.setdefault("rms_norm", []).append(name)
         elif isinstance(mlp_forward, str):
-            report.left.setdefault("gelu_mlp", mlp_forward)
+            report.left.setdefault("mlp", mlp_forward)
         elif mlp_forward is not None:
-            _bind(module, mlp_forward, modules)
-            report.patched.setdefault("swiglu_mlp", []).append(name)
+            component, forward = mlp_forward
+            _bind(module, forward, modules)
+            report.patched.setdefault(component, []).append(name)
         elif router and _router_forward(module) is not None:
             _bind(module, _router_forward(module), modules)
             report.patched.setdefault("moe_router", []).append(name)
@@ -546,7 +554,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                                             "fused_linear_cross_entropy, logits None)"]
         else:
             report.left["fused_loss"] = refusal
-    for switch, on in (("rms_norm", rms_norm), ("swiglu_mlp", mlp), ("attention", attention),
+    for switch, on in (("rms_norm", rms_norm), ("mlp", mlp), ("attention", attention),
                        ("rope", rope), ("moe_router", router), ("loss", loss)):
         if not on:
             report.left[switch] = "switched off by the caller"

@@ -62,6 +62,15 @@ class SwiGLUMLP(torch.nn.Module):
         return self.down_proj(functional.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+class GeGLUMLP(SwiGLUMLP):
+    """A Gemma-style gated MLP, ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (GELU's
+    tanh form), its gate step one `opforge.gelu_tanh_mul` pass each way; arguments and
+    projections as `SwiGLUMLP`'s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(functional.gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 class Softmax(torch.nn.Module):
     """``torch.nn.Softmax`` computed by `opforge.softmax` (max-subtracted, float32
     statistics, online multi-block for long rows). ``dim=None`` follows torch's legacy

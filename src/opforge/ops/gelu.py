@@ -162,7 +162,7 @@ def reference(x: torch.Tensor, *, compute_dtype: torch.dtype, approximate: str
     -7.6e-23). Elsewhere it equals torch's gelu to float64 rounding."""
     x = x.to(compute_dtype)
     if approximate == "tanh":
-        return x * stable_sigmoid(2.0 * _tanh_argument_torch(x))
+        return gelu_tanh_reference(x)
     return x * (0.5 * torch.special.erfc(-x * INV_SQRT2))
 
 
@@ -172,14 +172,7 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, *, compute_dtype: to
     """``grad * d gelu(x)/dx`` in ``compute_dtype``, tail-exact like `reference`."""
     grad, x = grad.to(compute_dtype), x.to(compute_dtype)
     if approximate == "tanh":
-        u2 = 2.0 * _tanh_argument_torch(x)
-        s, s_complement = stable_sigmoid(u2), stable_sigmoid(-u2)
-        du = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * x * x)
-        slope = s * s_complement
-        # As in the kernel: a saturated sigmoid has slope exactly 0, which must not meet
-        # the overflowing x^2 of du (0 * inf); 0 * x keeps x = inf -> NaN.
-        chain = torch.where(slope == 0, 0.0 * x, 2.0 * slope * x * du)
-        return grad * (s + chain)
+        return grad * gelu_tanh_slope_reference(x)
     cdf = 0.5 * torch.special.erfc(-x * INV_SQRT2)
     pdf = INV_SQRT_2PI * torch.exp(-0.5 * x * x)
     return grad * (cdf + x * pdf)
@@ -187,6 +180,22 @@ def backward_reference(grad: torch.Tensor, x: torch.Tensor, *, compute_dtype: to
 
 def _tanh_argument_torch(x: torch.Tensor) -> torch.Tensor:
     return SQRT_2_OVER_PI * (x + TANH_CUBIC * x * x * x)
+
+
+def gelu_tanh_reference(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form ``x * sigmoid(2u)`` in x's dtype (no tanh to overflow)."""
+    return x * stable_sigmoid(2.0 * _tanh_argument_torch(x))
+
+
+def gelu_tanh_slope_reference(x: torch.Tensor) -> torch.Tensor:
+    """``d gelu_tanh(x) / dx`` in x's dtype."""
+    u2 = 2.0 * _tanh_argument_torch(x)
+    s, s_complement = stable_sigmoid(u2), stable_sigmoid(-u2)
+    du = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * x * x)
+    slope = s * s_complement
+    # As in the kernel: a saturated sigmoid has slope exactly 0, which must not meet the
+    # overflowing x^2 of du (0 * inf); 0 * x keeps x = inf -> NaN.
+    return s + torch.where(slope == 0, 0.0 * x, 2.0 * slope * x * du)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +219,22 @@ if triton is not None:
         return x * normal_cdf(x, False)
 
     @triton.jit
-    def _gelu_tanh(x, unused, scalar):
+    def gelu_tanh_of(x):
         s, _ = sigmoid_pair(2.0 * _tanh_argument(x))
         return x * s
+
+    @triton.jit
+    def gelu_tanh_slope(x):
+        s, s_complement = sigmoid_pair(2.0 * _tanh_argument(x))
+        slope = s * s_complement
+        du = (1.0 + x * x * _TANH_CUBIC * 3.0) * _SQRT_2_OVER_PI
+        # Where the sigmoid saturates its slope is exactly 0; 0 * x keeps inf -> NaN (as in
+        # torch) but stops the overflowing x^2 in du from turning a finite x into NaN.
+        return s + tl.where(slope == 0.0, 0.0 * x, 2.0 * slope * x * du)
+
+    @triton.jit
+    def _gelu_tanh(x, unused, scalar):
+        return gelu_tanh_of(x)
 
     @triton.jit
     def _gelu_erf_grad(grad, x, scalar):
@@ -224,13 +246,10 @@ if triton is not None:
 
     @triton.jit
     def _gelu_tanh_grad(grad, x, scalar):
-        s, s_complement = sigmoid_pair(2.0 * _tanh_argument(x))
-        slope = s * s_complement
-        du = (1.0 + x * x * _TANH_CUBIC * 3.0) * _SQRT_2_OVER_PI
-        # Where the sigmoid saturates its slope is exactly 0; 0 * x keeps inf -> NaN (as in
-        # torch) but stops the overflowing x^2 in du from turning a finite x into NaN.
-        chain = tl.where(slope == 0.0, 0.0 * x, 2.0 * slope * x * du)
-        return grad * (s + chain)
+        return grad * gelu_tanh_slope(x)
+
+else:  # pragma: no cover
+    gelu_tanh_of = gelu_tanh_slope = None  # read by Triton launchers only
 
 
 # ---------------------------------------------------------------------------------------------
