@@ -1,7 +1,7 @@
 """GPU bandwidth benchmark: opforge's Triton kernels vs torch eager vs torch.compile.
 
 For a bias add ``(M, N) + (N,)``, GELU, sigmoid, softmax, log_softmax, layer_norm,
-rms_norm (last dim) and silu_mul in bfloat16 at large sizes, this script
+rms_norm (last dim), silu_mul and gelu_tanh_mul in bfloat16 at large sizes, this script
 
 1. checks opforge's result against torch eager (max abs diff, bfloat16 tolerances);
 2. times opforge (the functional API, which on CUDA tensors runs the triton backend), a
@@ -19,9 +19,9 @@ rms_norm (last dim) and silu_mul in bfloat16 at large sizes, this script
    forward + backward) against its torch composition, and the embedding gradient
    (V 128256, D 4096, T 16384, uniform and Zipf indices, atomic and deterministic)
    against aten;
-   times softmax, log_softmax, rms_norm, layer_norm, swiglu, silu_mul and cross_entropy
-   forward + backward against torch eager, torch.compile and Liger-Kernel (when installed;
-   also beside the forwards it has), and square matmuls (bf16 4096³ and 8192³, fp32
+   times softmax, log_softmax, rms_norm, layer_norm, swiglu, silu_mul, gelu_tanh_mul and
+   cross_entropy forward + backward against torch eager, torch.compile and Liger-Kernel
+   (when installed; also beside the forwards it has), and square matmuls (bf16 4096³ and 8192³, fp32
    4096³) against cuBLAS and torch.compile in TFLOP/s;
 5. captures ``plan.run(a, b, out=out, workspace=ws)`` in a ``torch.cuda.CUDAGraph``, writes
    new values into the captured inputs, replays, and checks the result equals an ordinary
@@ -164,6 +164,10 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return functional.silu(gate) * up
 
 
+def _gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return functional.gelu(gate, approximate="tanh") * up
+
+
 def _liger(op: str) -> Callable[..., torch.Tensor] | None:
     """Liger-Kernel's ``op`` with the arguments of this script's torch function for it
     (`make_cases`, `training_cases`), or None (not installed, or no such operator)."""
@@ -183,6 +187,9 @@ def _liger(op: str) -> Callable[..., torch.Tensor] | None:
         if op == "silu_mul":
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
             return LigerSiLUMulFunction.apply
+        if op == "gelu_tanh_mul":
+            from liger_kernel.ops.geglu import LigerGELUMulFunction
+            return LigerGELUMulFunction.apply
         if op == "cross_entropy":
             from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
             return lambda logits, target: LigerCrossEntropyFunction.apply(logits, target,
@@ -200,6 +207,7 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
     x = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
     bias = torch.randn(n, generator=generator, device=device, dtype=dtype)
     weight = torch.randn(n, generator=generator, device=device, dtype=dtype)
+    up = torch.randn(m, n, generator=generator, device=device, dtype=dtype)
     elementwise_bytes = 2 * m * n * item
     return [
         OpCase("broadcast_add", shape, (x, bias), {"alpha": ALPHA},
@@ -219,9 +227,9 @@ def make_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                lambda t, w: opforge.rms_norm(t, w, RMS_EPS),
                lambda t, w: functional.rms_norm(t, t.shape[-1:], w, RMS_EPS),
                elementwise_bytes + n * item),
-        OpCase("silu_mul", shape, (x, torch.randn(m, n, generator=generator, device=device,
-                                                  dtype=dtype)),
-               {}, opforge.silu_mul, _silu_mul, 3 * m * n * item),
+        OpCase("silu_mul", shape, (x, up), {}, opforge.silu_mul, _silu_mul, 3 * m * n * item),
+        OpCase("gelu_tanh_mul", shape, (x, up), {}, opforge.gelu_tanh_mul, _gelu_tanh_mul,
+               3 * m * n * item),
     ]
 
 
@@ -296,9 +304,9 @@ def training_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.dev
                    compile_peers: bool) -> list[TrainingCase]:
     """softmax, log_softmax, rms_norm and layer_norm (with their weight and bias as
     leaves, as in training), swiglu (``shape`` is its input, gate and up halves),
-    silu_mul (gate and up of ``shape`` each) and cross_entropy (``shape`` is (tokens,
-    vocabulary), mean over int64 targets): opforge, torch eager, torch.compile and, when
-    installed, Liger-Kernel."""
+    silu_mul and gelu_tanh_mul (gate and up of ``shape`` each) and cross_entropy
+    (``shape`` is (tokens, vocabulary), mean over int64 targets): opforge, torch eager,
+    torch.compile and, when installed, Liger-Kernel."""
     generator = torch.Generator(device=device).manual_seed(1)
     m, n = shape
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
@@ -323,6 +331,7 @@ def training_cases(shape: tuple[int, int], dtype: torch.dtype, device: torch.dev
         # Forward: gate and up read, the product written; backward: its gradient, gate
         # and up read, both gradients written.
         ("silu_mul", (x, up), 8 * size, opforge.silu_mul, _silu_mul),
+        ("gelu_tanh_mul", (x, up), 8 * size, opforge.gelu_tanh_mul, _gelu_tanh_mul),
         ("cross_entropy", (x,), 2 * size, lambda t: opforge.cross_entropy(t, target),
          lambda t: functional.cross_entropy(t, target)))
     cases = []

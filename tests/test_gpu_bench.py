@@ -56,7 +56,7 @@ def test_the_row_functions_run(gpu_bench, monkeypatch):
             "attention window fwd+bwd", "mla_prolog", "moe_gating_top_k",
             "moe_gating_top_k fwd+bwd", "embedding_dense_grad", "matmul",
             "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "softmax", "silu_mul",
-            "silu_mul fwd+bwd"} <= timed
+            "silu_mul fwd+bwd", "gelu_tanh_mul", "gelu_tanh_mul fwd+bwd"} <= timed
 
 
 def _rows(gpu_bench, device: torch.device) -> list:
