@@ -36,11 +36,15 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     if kind == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2,
                                           tie_word_embeddings=True, **overrides)
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**{
-            **common, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-            **overrides})
+    elif kind in ("qwen3_moe", "qwen2_moe", "olmoe"):  # Qwen2-MoE with its shared expert
+        config = getattr(transformers, {"qwen3_moe": "Qwen3MoeConfig",
+                                        "qwen2_moe": "Qwen2MoeConfig",
+                                        "olmoe": "OlmoeConfig"}[kind])(**{
+            **common, "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, **({"head_dim": 16, "moe_intermediate_size": 32}
+                                       if kind == "qwen3_moe" else {}),
+            **({"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+               if kind == "qwen2_moe" else {}), **overrides})
     elif kind == "mistral":  # a sliding window shorter than the batch's sequences
         config = transformers.MistralConfig(**{**common, "num_key_value_heads": 2,
                                                "sliding_window": 4, **overrides})
@@ -138,7 +142,8 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3",
+                                  "qwen2_moe"])
 def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, calls):
     """Logits and every parameter gradient of a training step with a left-padded batch:
     the patched model's error against a float64 copy is at most 2x the unpatched model's
@@ -156,7 +161,7 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     assert sum(calls.get(name, 0) for name in gated) == len(
         report.patched.get("swiglu_mlp", []) + report.patched.get("geglu_mlp", []))
     assert calls.get("moe_gating_top_k", 0) == len(report.patched.get("moe_router", []))
-    assert ("moe_router" in report.patched) == (kind in ("qwen3_moe", "deepseek_v3"))
+    assert ("moe_router" in report.patched) == kind.endswith(("moe", "deepseek_v3"))
     assert ("geglu_mlp" in report.patched) == kind.startswith("gemma")
     floor = 4 * torch.finfo(torch.float32).eps
     valid = attention_mask.bool()
@@ -491,6 +496,7 @@ def test_the_report_names_what_it_left_and_why():
 
 @pytest.mark.parametrize("kind, overrides", [
     ("qwen3_moe", {"norm_topk_prob": True}), ("qwen3_moe", {"norm_topk_prob": False}),
+    ("qwen2_moe", {"norm_topk_prob": False}), ("olmoe", {"norm_topk_prob": False}),
     ("mixtral", {}), ("deepseek_v3", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}), ("deepseek_v3", {"topk_group": 4}),
 ])
@@ -558,7 +564,7 @@ def test_a_patched_model_trains():
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma", "olmoe"])
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """The other supported model types: every component patched (Mistral's sliding
     window over a padded batch reaches opforge's attention as transformers' boolean mask),
@@ -571,7 +577,7 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
         report = opforge.patch(model)
         got = model(ids, attention_mask=attention_mask).logits
     assert {"rms_norm", "attention", "rope", "loss"} <= set(report.patched)
-    assert ("moe_router" in report.patched) == (kind == "mixtral")
+    assert ("moe_router" in report.patched) == (kind in ("mixtral", "olmoe"))
     assert calls["attention"] == 2 and calls["rope"] == 4
     valid = attention_mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)

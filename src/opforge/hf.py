@@ -22,9 +22,9 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   interleaved pairs as ``interleave_half``; a partial rotary embedding, Phi-3's, on the
   leading dims its cos and sin cover);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
-  top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen3-MoE and
-  Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited top-k and
-  ``norm_topk_prob`` either way; int64 indices for the experts;
+  top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen2-MoE, Qwen3-MoE,
+  OLMoE and Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited
+  top-k and ``norm_topk_prob`` either way; int64 indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
   they come, with no float32 copy of them); in training with ``labels``, by
   `opforge.fused_linear_cross_entropy` on the last hidden states and the output head's
@@ -63,8 +63,12 @@ from opforge.functional import (
 )
 
 ATTENTION_NAME = "opforge"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-                         "deepseek_v3", "phi3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
+                         "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
+                         "gemma3_text")
+# Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
+SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
+                   "MixtralTopKRouter")
 # RMSNorms that scale by 1 + weight, in float32, rounded once to the input's dtype.
 OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
@@ -135,9 +139,10 @@ def _fused_gate_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 
 def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE's and Mixtral's TopKRouter: (logits, top-k softmax weights, int64 experts);
-    renormalised without an epsilon when ``norm_topk_prob`` (Mixtral has no switch: always),
-    the weights in the logits' dtype (Qwen3-MoE) or float32 (Mixtral), as each returns."""
+    """A softmax TopKRouter (`SOFTMAX_ROUTERS`: Qwen2-MoE's, Qwen3-MoE's, OLMoE's,
+    Mixtral's): (logits, top-k softmax weights, int64 experts); renormalised without an
+    epsilon when ``norm_topk_prob`` (Mixtral has no switch: always), the weights in the
+    logits' dtype (the Qwen and OLMoE routers) or float32 (Mixtral), as each returns."""
     router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
                                                self.weight)
     normalize = getattr(self, "norm_topk_prob", None)
@@ -440,7 +445,7 @@ def _router_forward(module: torch.nn.Module) -> Callable | None:
     name = type(module).__name__
     if name == "DeepseekV3TopkRouter":
         return _deepseek_router_forward
-    if name in ("Qwen3MoeTopKRouter", "MixtralTopKRouter"):
+    if name in SOFTMAX_ROUTERS:
         return _softmax_router_forward
     return None
 
