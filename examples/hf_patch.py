@@ -1,6 +1,7 @@
-"""Patch a tiny random Hugging Face Llama with one call, train it a few steps, and compare.
+"""Patch a tiny random Hugging Face model with one call, train it a few steps, and compare.
 
-    python examples/hf_patch.py [--model llama|qwen3_moe] [--steps 5] [--dtype bfloat16]
+    python examples/hf_patch.py [--model llama|qwen3_moe|gemma3_text|phi3] [--steps 5]
+        [--dtype bfloat16]
 
 Builds the model from its config (no hub access), keeps a float64 copy and an unpatched
 copy, then `opforge.patch`es the model and prints: what was patched and left, the
@@ -23,14 +24,24 @@ import transformers
 import opforge
 from opforge.precision import Monitor
 
+# Each kind's config beside the common sizes: a tied head (Llama), experts (Qwen3-MoE),
+# Gemma 3's 1 + weight norms, GeGLU and alternating sliding windows, Phi-3's fused
+# projections and a rotary embedding over half of each head.
+CONFIGS = {
+    "llama": lambda common: transformers.LlamaConfig(**common, tie_word_embeddings=True),
+    "qwen3_moe": lambda common: transformers.Qwen3MoeConfig(
+        **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "gemma3_text": lambda common: transformers.Gemma3TextConfig(**common, head_dim=32,
+                                                                sliding_window=8),
+    "phi3": lambda common: transformers.Phi3Config(**common, partial_rotary_factor=0.5,
+                                                   pad_token_id=0),
+}
+
 
 def tiny_model(kind: str) -> torch.nn.Module:
     common = {"vocab_size": 257, "hidden_size": 128, "intermediate_size": 256,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-    config = transformers.LlamaConfig(**common, tie_word_embeddings=True) if kind == "llama" \
-        else transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4,
-                                         num_experts_per_tok=2, moe_intermediate_size=64)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](common))
 
 
 def relative_error(value: torch.Tensor, golden: torch.Tensor) -> float:
@@ -53,7 +64,7 @@ def train(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--model", choices=tuple(CONFIGS), default="llama")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
