@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
+import runpy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -621,3 +624,23 @@ def test_a_partial_rotary_embedding_rotates_the_leading_dims_only():
     for g, e, t in zip(got, expected, (q, k), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
         assert torch.equal(g[..., 8:], t[..., 8:])
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "phi3"])
+def test_the_example_patches_compares_and_trains(kind, monkeypatch, capsys):
+    """examples/hf_patch.py on a model type: the patched logits within 2x the unpatched
+    model's error against float64, the packed batch equal to the padded one, the two
+    trainings' losses alike, no monitor alert."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "hf_patch.py"
+    monkeypatch.setattr("sys.argv", [str(example), "--model", kind, "--steps", "2"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(example), run_name="__main__")
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    patched, plain = (float(v) for v in re.findall(r"vs float64 (\S+)", out))
+    assert patched <= 2 * plain
+    assert float(re.search(r"padded batch's\| (\S+)", out).group(1)) < 1e-5
+    losses = [[float(v) for v in line.split(":")[1].split()]
+              for line in out.splitlines() if line.startswith("losses")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    assert ", 0 alerts" in out
