@@ -64,6 +64,13 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     elif kind == "phi3":  # half the head dims rotated, as Phi-4-mini's three quarters
         config = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0,
                                          partial_rotary_factor=0.5, **overrides)
+    elif kind == "granite":  # the logits divided by 4 after the head: the fused loss too
+        config = transformers.GraniteConfig(**common, num_key_value_heads=2,
+                                            logits_scaling=4.0, attention_multiplier=0.2,
+                                            **overrides)
+    elif kind == "smollm3":
+        config = transformers.SmolLM3Config(**common, num_key_value_heads=2, pad_token_id=0,
+                                            **overrides)
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -186,7 +193,8 @@ def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3",
+                                  "granite"])
 def test_training_takes_the_fused_loss_and_makes_no_logits(kind, dtype, calls):
     """In training with labels the loss comes from fused_linear_cross_entropy on the last
     hidden states (logits None): the loss (Qwen3-MoE's with its router loss) in
@@ -567,7 +575,8 @@ def test_a_patched_model_trains():
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma", "olmoe"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma", "olmoe",
+                                  "granite", "smollm3"])
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """The other supported model types: every component patched (Mistral's sliding
     window over a padded batch reaches opforge's attention as transformers' boolean mask),

@@ -65,7 +65,7 @@ from opforge.functional import (
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
                          "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
-                         "gemma3_text")
+                         "gemma3_text", "granite", "smollm3")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
                    "MixtralTopKRouter")
