@@ -616,6 +616,21 @@ def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(
         torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
+def test_an_mlp_of_another_gate_is_left_with_its_activation_named():
+    """A Llama MLP gated by GELU's erf form (``hidden_act="gelu"``), which opforge has no
+    fused gate for: left as transformers computes it, the report naming the activation,
+    and the logits as before."""
+    model = _tiny("llama", hidden_act="gelu")
+    ids, attention_mask = _batch()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=attention_mask).logits
+        report = opforge.patch(model)
+        got = model(ids, attention_mask=attention_mask).logits
+    assert "swiglu_mlp" not in report.patched and "GELUActivation" in report.left["mlp"]
+    valid = attention_mask.bool()
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
+
+
 def test_a_partial_rotary_embedding_rotates_the_leading_dims_only():
     """Phi-3's rotary function with cos and sin over half the head dims: opforge's rotates
     those dims as transformers' does and passes the rest through bit for bit."""

@@ -68,6 +68,17 @@ def test_the_fused_losss_account_holds_its_steps_and_each_blocks_logits():
     assert call.least + 2 * logits <= call.planned <= call.requested
 
 
+def test_a_composite_without_an_account_of_its_kernels_is_counted_once():
+    """moe_gating_top_k_softmax runs moe_gating_top_k as a step and declares no kernel
+    costs: its whole cost, which holds the step's bytes, is its account, not that plus
+    the step's."""
+    op = opforge.get_op("moe_gating_top_k_softmax")
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    call = traffic.audit(op, Case("64x32", (x,), {"k": 4}), "h200")
+    assert op.kernel_costs is None and "_gating_kernel" in {k.kernel for k in call.kernels}
+    assert call.planned == call.least <= call.requested
+
+
 def test_elementwise_counts_are_exact_and_masked_lanes_are_free():
     """sigmoid of 1000 float32 elements in 1024-wide blocks: 4000 bytes read, 4000
     written, 8000 distinct: the 24 masked lanes touch nothing."""

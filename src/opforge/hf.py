@@ -74,10 +74,11 @@ OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
-GATED_ERF_GELU_REASON = ("left as transformers computes it: an MLP gated by GELU's erf form "
-                         "(opforge's gated GELU is the tanh form)")
+GATED_MLP_REASON = ("left as transformers computes it: an MLP gated by {}, where opforge's "
+                    "fused gates are SiLU and GELU's tanh form")
 # transformers' activations that are GELU's tanh form.
-GELU_TANH_ACTIVATIONS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation")
+GELU_TANH_ACTIVATIONS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation",
+                         "FastGELUActivation", "AccurateGELUActivation")
 SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its attention "
                   "scores, which opforge's attention does not")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
@@ -423,8 +424,8 @@ def _is_silu(act: object) -> bool:
 
 
 def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
-    """(report component, opforge forward) of a gated MLP, the reason one is left, or None
-    for a module that is not a gated MLP (or one of another activation)."""
+    """(report component, opforge forward) of a gated MLP, the reason one is left (its
+    activation), or None for a module that is not a gated MLP."""
     if all(isinstance(getattr(module, name, None), torch.nn.Linear)
            for name in ("gate_proj", "up_proj", "down_proj")):
         act = getattr(module, "act_fn", None)
@@ -432,11 +433,12 @@ def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
             return "swiglu_mlp", nn.SwiGLUMLP.forward
         if type(act).__name__ in GELU_TANH_ACTIVATIONS:
             return "geglu_mlp", nn.GeGLUMLP.forward
-        return GATED_ERF_GELU_REASON if type(act).__name__ == "GELUActivation" else None
+        return GATED_MLP_REASON.format(type(act).__name__)
     if all(isinstance(getattr(module, name, None), torch.nn.Linear)
-           for name in ("gate_up_proj", "down_proj")) \
-            and _is_silu(getattr(module, "activation_fn", None)):
-        return "swiglu_mlp", _fused_gate_mlp_forward
+           for name in ("gate_up_proj", "down_proj")):
+        act = getattr(module, "activation_fn", None)
+        return ("swiglu_mlp", _fused_gate_mlp_forward) if _is_silu(act) \
+            else GATED_MLP_REASON.format(type(act).__name__)
     return None
 
 

@@ -170,7 +170,8 @@ def bench_op(name: str, *, device: torch.device, dtype: torch.dtype,
                 None if seconds is None else cost.bytes_moved / seconds / 1e9,
                 None if seconds is None else cost.flops / seconds / 1e12, None,
                 float(cost.flops), float(cost.bytes_moved), error,
-                float(planned_moved) if impl == "opforge" and not planned.steps else None))
+                float(planned_moved) if impl == "opforge" and seconds is not None
+                and not planned.steps else None))
         for result in results:
             if result.shape == label and result.ms and baseline:
                 result.speedup = baseline * 1e3 / result.ms

@@ -230,17 +230,29 @@ def planned_bytes(plan: Any, launches: dict[str, int]) -> int:
 
 @contextlib.contextmanager
 def _launches_by_run(runs: list[tuple[Any, dict[str, int]]]) -> Iterator[None]:
-    """Each plan run in the block (a composite's steps included) appended to ``runs`` with
-    the launches made by its own launcher, not its steps'."""
+    """Each plan run in the block, in this thread, appended to ``runs`` with the launches
+    made by its own launcher: a composite's steps are runs of their own, unless the
+    composite has no `OpDef.kernel_costs` (its whole `OpDef.cost`, steps included, is then
+    its account). The observer in place before is still called for every run."""
     @contextlib.contextmanager
     def observed(run_plan: Any) -> Iterator[None]:
-        launches: dict[str, int] = {}
-        runs.append((run_plan, launches))
-        outer, _counters.plan_launches = getattr(_counters, "plan_launches", None), launches
-        try:
-            yield
-        finally:
-            _counters.plan_launches = outer
+        with contextlib.ExitStack() as stack:
+            if previous is not None:
+                stack.enter_context(previous(run_plan))
+            if getattr(_counters, "kernels", None) is None:  # another thread's run
+                yield
+                return
+            launches: dict[str, int] = {}
+            whole = getattr(_counters, "whole_account", False)
+            if not whole:
+                runs.append((run_plan, launches))
+            saved = getattr(_counters, "plan_launches", None)
+            _counters.plan_launches = launches
+            _counters.whole_account = whole or run_plan.op.kernel_costs is None
+            try:
+                yield
+            finally:
+                _counters.plan_launches, _counters.whole_account = saved, whole
 
     previous = set_run_observer(observed)
     try:
