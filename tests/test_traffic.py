@@ -68,6 +68,28 @@ def test_the_fused_losss_account_holds_its_steps_and_each_blocks_logits():
     assert call.least + 2 * logits <= call.planned <= call.requested
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_the_fused_losss_backward_account_lies_between_touched_and_requested(reduction,
+                                                                            with_lse):
+    """Each of the fused loss's backward paths (a reduction's gradient, the forward's lse
+    or none: a first pass merges it again) at 256 tokens and 300 classes: the account
+    holds at least the distinct bytes touched and no more than those requested."""
+    forward = opforge.get_op("fused_linear_cross_entropy")
+    (case,) = traffic.bench_cases(forward, torch.bfloat16, [(256, 16, 300)])
+    hidden, weight, target = case.inputs
+    lse = opforge.plan(forward, hidden, weight, target, reduction=reduction).run(
+        hidden, weight, target)[1] if with_lse else None
+    grad = torch.randn(256 if reduction == "none" else ()).bfloat16()
+    backward = opforge.get_op("fused_linear_cross_entropy_backward")
+    call = traffic.audit(backward, Case("", (grad, hidden, weight, target, lse),
+                                        {"reduction": reduction}), "h200")
+    launches = {k.kernel: k.launches for k in call.kernels}
+    assert launches["_cross_entropy_backward_kernel"] == 3
+    assert launches.get("_merge_block_kernel", 0) == (0 if with_lse else 3)
+    assert call.footprint <= call.planned <= call.requested
+
+
 def test_a_composite_without_an_account_of_its_kernels_is_counted_once():
     """moe_gating_top_k_softmax runs moe_gating_top_k as a step and declares no kernel
     costs: its whole cost, which holds the step's bytes, is its account, not that plus
