@@ -68,6 +68,12 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
         config = transformers.GraniteConfig(**common, num_key_value_heads=2,
                                             logits_scaling=4.0, attention_multiplier=0.2,
                                             **overrides)
+    elif kind in ("olmo2", "olmo3", "exaone4", "seed_oss"):  # sliding windows in 3 and 4
+        config = getattr(transformers, {"olmo2": "Olmo2Config", "olmo3": "Olmo3Config",
+                                        "exaone4": "Exaone4Config",
+                                        "seed_oss": "SeedOssConfig"}[kind])(**{
+            **common, "num_key_value_heads": 2, "pad_token_id": 0,
+            **({"sliding_window": 4} if kind in ("olmo3", "exaone4") else {}), **overrides})
     elif kind == "smollm3":
         config = transformers.SmolLM3Config(**common, num_key_value_heads=2, pad_token_id=0,
                                             **overrides)
@@ -580,7 +586,8 @@ def test_a_patched_model_trains():
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "mixtral", "gemma", "olmoe",
-                                  "granite", "smollm3"])
+                                  "granite", "smollm3", "olmo2", "olmo3", "exaone4",
+                                  "seed_oss"])
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """The other supported model types: every component patched (Mistral's sliding
     window over a padded batch reaches opforge's attention as transformers' boolean mask),
@@ -618,6 +625,21 @@ def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(
     torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "olmo2", "gemma3_text"])
+def test_each_rms_norm_keeps_its_models_output_dtype_under_a_float32_weight(kind):
+    """A bf16 input with a float32 weight (norms kept in float32 in a bf16 model): each
+    model's norm returns the dtype its own module returns (Llama's the promoted float32,
+    OLMo 2's and Gemma's the input's bf16), within a bf16 rounding of it."""
+    model = _tiny(kind)
+    norm = model.model.norm.float()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    expected = norm(x)
+    opforge.patch(model)
+    got = norm(x)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-5)
 
 
 def test_an_mlp_of_another_gate_is_left_with_its_activation_named():

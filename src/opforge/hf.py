@@ -6,7 +6,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 - every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
   result in torch's promoted dtype of the input and the weight, as the module gives it);
   Gemma's, which scales by ``1 + weight`` in float32 and rounds once to the input's
-  dtype, by `opforge.rms_norm` with that float32 scale;
+  dtype, by `opforge.rms_norm` with that float32 scale; OLMo 2's and 3's, in the input's
+  dtype whatever the weight's;
 - every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
   up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
   forward and three backward); Phi-3's, whose one projection holds gate and up, by
@@ -65,12 +66,15 @@ from opforge.functional import (
 ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
                          "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
-                         "gemma3_text", "granite", "smollm3")
+                         "gemma3_text", "granite", "smollm3", "olmo2", "olmo3", "exaone4",
+                         "seed_oss")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
                    "MixtralTopKRouter")
 # RMSNorms that scale by 1 + weight, in float32, rounded once to the input's dtype.
 OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# RMSNorms that scale in float32 and round once to the input's dtype, whatever the weight's.
+INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
@@ -124,6 +128,12 @@ _ROPE_OWNERS: dict[str, tuple[int, dict[str, Callable]]] = {}
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     # The dtype is torch's promotion of the input's and the weight's, as transformers'.
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _input_dtype_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor
+                                  ) -> torch.Tensor:
+    # OLMo 2's: weight times the float32 normalised values, in the input's dtype.
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon).to(hidden_states.dtype)
 
 
 def _offset_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -419,6 +429,14 @@ def _is_offset_rms_norm(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "weight", None), torch.nn.Parameter))
 
 
+def _rms_norm_forward_of(module: torch.nn.Module) -> Callable:
+    if _is_offset_rms_norm(module):
+        return _offset_rms_norm_forward
+    if type(module).__name__ in INPUT_DTYPE_RMS_NORMS:
+        return _input_dtype_rms_norm_forward
+    return _rms_norm_forward
+
+
 def _is_silu(act: object) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
@@ -516,8 +534,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
     for name, module in model.named_modules():
         mlp_forward = _mlp_forward(module) if mlp else None
         if rms_norm and (_is_rms_norm(module) or _is_offset_rms_norm(module)):
-            _bind(module, _offset_rms_norm_forward if _is_offset_rms_norm(module)
-                  else _rms_norm_forward, modules)
+            _bind(module, _rms_norm_forward_of(module), modules)
             report.patched.setdefault("rms_norm", []).append(name)
         elif isinstance(mlp_forward, str):
             report.left.setdefault("mlp", mlp_forward)
