@@ -73,7 +73,9 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
                                         "exaone4": "Exaone4Config",
                                         "seed_oss": "SeedOssConfig"}[kind])(**{
             **common, "num_key_value_heads": 2, "pad_token_id": 0,
-            **({"sliding_window": 4} if kind in ("olmo3", "exaone4") else {}), **overrides})
+            **({"sliding_window": 4} if kind in ("olmo3", "exaone4") else {}),
+            # Seed-OSS drops attention weights out by default: opforge's attention with none.
+            **({"attention_dropout": 0.0} if kind == "seed_oss" else {}), **overrides})
     elif kind == "smollm3":
         config = transformers.SmolLM3Config(**common, num_key_value_heads=2, pad_token_id=0,
                                             **overrides)
@@ -640,6 +642,38 @@ def test_each_rms_norm_keeps_its_models_output_dtype_under_a_float32_weight(kind
     got = norm(x)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-5)
+
+
+def test_full_attention_layers_that_pass_no_window_get_none():
+    """EXAONE 4's full-attention layer (the fourth) passes sliding_window=None while its
+    module holds the model's window: an unpadded batch longer than the window, which gets
+    no mask, runs that layer without a band, as transformers does."""
+    model = _tiny("exaone4", num_hidden_layers=4)
+    assert model.config.layer_types[-1] == "full_attention"
+    ids = _batch()[0]
+    with torch.no_grad():
+        expected = model(ids).logits
+        opforge.patch(model)
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_is_kept_where_the_model_has_it():
+    """Seed-OSS as its config comes (attention and residual dropout 0.1): attention is
+    left to transformers with the reason, and the MLP's output still goes through its
+    dropout in training: a step's loss and gradients equal the unpatched model's under
+    the same random seed."""
+    model = _tiny("seed_oss", attention_dropout=0.1).train()
+    ids, attention_mask = _batch()
+    torch.manual_seed(5)
+    plain, plain_grads = _training_step(model, ids, attention_mask)
+    report = opforge.patch(model, fused_loss=False)
+    torch.manual_seed(5)
+    patched, patched_grads = _training_step(model, ids, attention_mask)
+    assert "attention_dropout" in report.left["attention"] and "swiglu_mlp" in report.patched
+    torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
 def test_an_mlp_of_another_gate_is_left_with_its_activation_named():

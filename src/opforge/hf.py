@@ -85,6 +85,8 @@ GELU_TANH_ACTIVATIONS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation",
                          "FastGELUActivation", "AccurateGELUActivation")
 SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its attention "
                   "scores, which opforge's attention does not")
+DROPOUT_REASON = ("left as transformers computes it: the model drops attention weights out in "
+                  "training (attention_dropout), which opforge's attention does not")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
                   "that opforge has no grouped-matmul operator for")
 
@@ -140,6 +142,12 @@ def _offset_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Te
     # Gemma's norm: x's rms-normalised float32 values times 1 + weight in float32, then
     # x's dtype (one rounding, as transformers' computes it).
     return rms_norm(x, 1.0 + self.weight.float(), self.eps).to(x.dtype)
+
+
+def _dropout_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Seed-OSS's MLP: its output through dropout (residual_dropout) while training.
+    return torch.nn.functional.dropout(nn.SwiGLUMLP.forward(self, x), self.residual_dropout,
+                                       self.training)
 
 
 def _fused_gate_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
@@ -210,7 +218,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     module_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        window = _window(module, kwargs)
         longest = kwargs.get("max_length_k")
         if window is not None and not module_causal:
             longest = int((cu_k[1:] - cu_k[:-1]).max()) if longest is None else longest
@@ -229,11 +237,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # Prefill of an empty static cache: the slots after the queries hold nothing yet.
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     # Without a mask (`_mask`), a causal module's sliding window runs as the kernels' band.
-    window = (kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-              if attention_mask is None and module_causal else None)
+    window = _window(module, kwargs) if attention_mask is None and module_causal else None
     out = attention(query, key, value, causal, scaling, attn_mask=attention_mask,
                     window_left=None if window is None else window - 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(module: torch.nn.Module, kwargs: dict[str, object]) -> int | None:
+    """The sliding window of this call: the ``sliding_window`` keyword when the module
+    passes one, even None (EXAONE 4's full-attention layers pass None while their module
+    holds the model's window), else the module's."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    return getattr(module, "sliding_window", None)
 
 
 def _rope_function(mode: str) -> Callable:
@@ -448,7 +464,8 @@ def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
            for name in ("gate_proj", "up_proj", "down_proj")):
         act = getattr(module, "act_fn", None)
         if _is_silu(act):
-            return "swiglu_mlp", nn.SwiGLUMLP.forward
+            return "swiglu_mlp", (_dropout_mlp_forward if getattr(module, "residual_dropout", 0)
+                                  else nn.SwiGLUMLP.forward)
         if type(act).__name__ in GELU_TANH_ACTIVATIONS:
             return "geglu_mlp", nn.GeGLUMLP.forward
         return GATED_MLP_REASON.format(type(act).__name__)
@@ -550,6 +567,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
     previous = None
     if attention and getattr(config, "attn_logit_softcapping", None):
         report.left["attention"] = SOFTCAP_REASON
+    elif attention and getattr(config, "attention_dropout", 0):
+        report.left["attention"] = DROPOUT_REASON
     elif attention:
         _register_attention()
         previous = model.config._attn_implementation
