@@ -14,7 +14,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's tanh
   form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
 - the attention, through transformers' attention-interface registry under the name
-  ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2):
+  ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2, or drops
+  attention weights out in training):
   `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
   sliding window as the kernels' band; padding-free packed batches by
