@@ -36,6 +36,7 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(0)
     common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4}
+    common.update({key: overrides.pop(key) for key in list(overrides) if key in common})
     if kind == "llama":
         config = transformers.LlamaConfig(**common, num_key_value_heads=2,
                                           tie_word_embeddings=True, **overrides)
@@ -76,6 +77,11 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             **({"sliding_window": 4} if kind in ("olmo3", "exaone4") else {}),
             # Seed-OSS drops attention weights out by default: opforge's attention with none.
             **({"attention_dropout": 0.0} if kind == "seed_oss" else {}), **overrides})
+    elif kind in ("ministral", "hunyuan_v1_dense"):  # Ministral's sliding window
+        config = getattr(transformers, {"ministral": "MinistralConfig",
+                                        "hunyuan_v1_dense": "HunYuanDenseV1Config"}[kind])(**{
+            **common, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0,
+            **({"sliding_window": 4} if kind == "ministral" else {}), **overrides})
     elif kind == "smollm3":
         config = transformers.SmolLM3Config(**common, num_key_value_heads=2, pad_token_id=0,
                                             **overrides)
@@ -610,6 +616,22 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", opforge.hf.SUPPORTED_MODEL_TYPES)
+def test_every_supported_type_keeps_its_logits_without_padding(kind):
+    """Four layers (sliding and full ones alternate in the models that have both) over an
+    unpadded batch longer than any window, which transformers gives no mask where the
+    causal rule suffices: each layer's window or none reaches opforge's attention as the
+    kernels' band (EXAONE 4's full-attention layer passes no window while its module holds
+    the model's); the logits as the unpatched model's within float32 rounding."""
+    model = _tiny(kind, num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        opforge.patch(model)
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(calls):
     """Gemma 2 soft-caps its attention scores and its logits: the report leaves attention
     and the fused loss with the reasons, the norms (1 + weight) and rotary functions are
@@ -644,20 +666,6 @@ def test_each_rms_norm_keeps_its_models_output_dtype_under_a_float32_weight(kind
     got = norm(x)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-5)
-
-
-def test_full_attention_layers_that_pass_no_window_get_none():
-    """EXAONE 4's full-attention layer (the fourth) passes sliding_window=None while its
-    module holds the model's window: an unpadded batch longer than the window, which gets
-    no mask, runs that layer without a band, as transformers does."""
-    model = _tiny("exaone4", num_hidden_layers=4)
-    assert model.config.layer_types[-1] == "full_attention"
-    ids = _batch()[0]
-    with torch.no_grad():
-        expected = model(ids).logits
-        opforge.patch(model)
-        got = model(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_dropout_is_kept_where_the_model_has_it():

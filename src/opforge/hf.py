@@ -68,7 +68,7 @@ ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
                          "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
                          "gemma3_text", "granite", "smollm3", "olmo2", "olmo3", "exaone4",
-                         "seed_oss")
+                         "seed_oss", "ministral", "hunyuan_v1_dense")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
                    "MixtralTopKRouter")
