@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,dev,transformers]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[triton,dev,transformers,peft]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -89,7 +89,7 @@ test-notriton: $(NOTRITON)/.installed
 # the whole suite under 3.6's interpreter. PyPI's torch 2.11 is a CUDA build: about 5 GB
 # installed, its CUDA libraries unused here.
 TORCH211 := .venv-torch211
-TORCH211_PACKAGES := -e ".[triton,dev,transformers]"
+TORCH211_PACKAGES := -e ".[triton,dev,transformers,peft]"
 $(eval $(call environment,$(TORCH211),constraints-torch211.txt,$(TORCH211_PACKAGES)))
 
 test-torch211: $(TORCH211)/.installed

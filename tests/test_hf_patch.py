@@ -686,6 +686,30 @@ def test_dropout_is_kept_where_the_model_has_it():
         torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
+def test_a_peft_model_is_patched_with_its_adapters_in_place(calls):
+    """LoRA adapters on every projection (PEFT): patch and unpatch take the PEFT model, the
+    MLPs' gate step is opforge's with the adapters still in the projections it calls, and
+    a training step's loss and adapter gradients equal the unpatched model's."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]))
+    ids, attention_mask = _batch()
+    plain, plain_grads = _training_step(model, ids, attention_mask)
+    report = opforge.patch(model)
+    patched, patched_grads = _training_step(model, ids, attention_mask)
+    assert len(report.patched["swiglu_mlp"]) == 2 and calls["silu_mul"] == 2
+    assert "fused_loss" in report.patched and patched.logits is None
+    assert patched_grads.keys() == plain_grads.keys()
+    assert plain_grads and all("lora_" in name for name in plain_grads)
+    torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
+    opforge.unpatch(model)
+    assert not hasattr(model.get_base_model(), "_opforge_patch")
+
+
 def test_an_mlp_of_another_gate_is_left_with_its_activation_named():
     """A Llama MLP gated by GELU's erf form (``hidden_act="gelu"``), which opforge has no
     fused gate for: left as transformers computes it, the report naming the activation,

@@ -461,7 +461,9 @@ def _is_silu(act: object) -> bool:
 def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
     """(report component, opforge forward) of a gated MLP, the reason one is left (its
     activation), or None for a module that is not a gated MLP."""
-    if all(isinstance(getattr(module, name, None), torch.nn.Linear)
+    # Projections are Linear modules or wrap one (a LoRA adapter's); fused experts hold
+    # Parameters under these names, not modules.
+    if all(isinstance(getattr(module, name, None), torch.nn.Module)
            for name in ("gate_proj", "up_proj", "down_proj")):
         act = getattr(module, "act_fn", None)
         if _is_silu(act):
@@ -470,7 +472,7 @@ def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
         if type(act).__name__ in GELU_TANH_ACTIVATIONS:
             return "geglu_mlp", nn.GeGLUMLP.forward
         return GATED_MLP_REASON.format(type(act).__name__)
-    if all(isinstance(getattr(module, name, None), torch.nn.Linear)
+    if all(isinstance(getattr(module, name, None), torch.nn.Module)
            for name in ("gate_up_proj", "down_proj")):
         act = getattr(module, "activation_fn", None)
         return ("swiglu_mlp", _fused_gate_mlp_forward) if _is_silu(act) \
@@ -516,6 +518,12 @@ def _restore_rope(module_name: str) -> None:
         _ROPE_OWNERS[module_name] = (count - 1, originals)
 
 
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself: a PEFT model's base model, else ``model``."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
           rope: bool = True, attention: bool = True, router: bool = True, loss: bool = True,
           fused_loss: bool = True) -> PatchReport:
@@ -524,7 +532,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
 
     Args:
         model: a ``transformers`` ``PreTrainedModel`` of a type in
-            `SUPPORTED_MODEL_TYPES`, on any device and dtype.
+            `SUPPORTED_MODEL_TYPES`, on any device and dtype, or a PEFT model around one
+            (its LoRA adapters stay in the projections the patched forwards call).
         fused_loss: with ``loss``, a training call given ``labels`` takes its loss from the
             last hidden states by `fused_linear_cross_entropy` and returns ``logits``
             None (the memory of the ``[tokens, vocab]`` logits and their gradient saved);
@@ -538,12 +547,15 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
         PatchError: not a transformers model, or a model type opforge does not know.
         ImportError: transformers is not installed (``pip install opforge[transformers]``).
     """
+    model = _transformers_model(model)
     state = getattr(model, "_opforge_patch", None)
     if state is not None:
         return state.report
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    modeling = next((cls.__module__ for cls in type(model).__mro__
+                     if cls.__module__.startswith("transformers.models.")), None)
+    if model_type not in SUPPORTED_MODEL_TYPES or modeling is None:
         raise PatchError("not a transformers model of a supported type", op="patch",
                          param="model", expected=" | ".join(SUPPORTED_MODEL_TYPES),
                          got=model_type or type(model).__name__)
@@ -578,9 +590,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
                                        f"(was {previous!r})"]
     rope_module = None
     if rope:
-        base = next(cls for cls in type(model).__mro__
-                    if cls.__module__.startswith("transformers.models."))
-        rope_module = base.__module__
+        rope_module = modeling
         report.patched["rope"] = [f"{rope_module}.{name}" for name in _swap_rope(rope_module)]
     forward = labels_position = None
     if loss and hasattr(model, "lm_head"):
@@ -611,6 +621,7 @@ def unpatch(model: torch.nn.Module) -> None:
     """Undo `patch`: the modules' own forwards, the attention implementation the model
     had, its loss and (with the last patched model of its type) the rotary functions. A
     model that is not patched is left as it is."""
+    model = _transformers_model(model)
     state = getattr(model, "_opforge_patch", None)
     if state is None:
         return
