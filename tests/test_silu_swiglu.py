@@ -103,7 +103,8 @@ def test_gelu_tanh_mul_is_within_the_golden_bound(shape, dtype, backend):
 
 def test_gelu_tanh_mul_gradients_equal_torch_and_gradcheck(backend):
     """The gradients of ``gelu(gate, 'tanh') * up`` as torch's autograd gives them (the far
-    tails included, where the sigmoid saturates); float64 gradcheck."""
+    tails included, where the sigmoid saturates) and within the float64 golden's bound;
+    float64 gradcheck."""
     gate = torch.cat([torch.randn(6, 8, 5), torch.tensor([-40.0, -9.0, 9.0, 40.0, 0.0])
                       .expand(6, 8, 5)], -1).to(DEVICE).requires_grad_()
     up = torch.randn(6, 8, 10, device=DEVICE).requires_grad_()
@@ -112,6 +113,8 @@ def test_gelu_tanh_mul_gradients_equal_torch_and_gradcheck(backend):
     theirs = torch.autograd.grad(_gelu_tanh(gate) * up, (gate, up), upstream)
     for mine, torchs in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, torchs, rtol=1e-5, atol=1e-6)
+    assert_golden(opforge.get_op("gelu_tanh_mul_backward"),
+                  Case("saturated", (upstream, gate.detach(), up.detach())), ours)
     pair = [torch.randn(5, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     assert torch.autograd.gradcheck(opforge.gelu_tanh_mul, pair)
 
