@@ -85,6 +85,22 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
     elif kind == "smollm3":
         config = transformers.SmolLM3Config(**common, num_key_value_heads=2, pad_token_id=0,
                                             **overrides)
+    elif kind in ("glm", "glm4"):  # interleaved pairs on half the head dims, attention bias
+        config = getattr(transformers, {"glm": "GlmConfig", "glm4": "Glm4Config"}[kind])(
+            **common, num_key_value_heads=2, head_dim=16, pad_token_id=0, **overrides)
+    elif kind == "glm4_moe":  # DeepSeek-V3's router, half the head dims rotated, q/k norms
+        config = transformers.Glm4MoeConfig(**{
+            **common, "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+            "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "use_qk_norm": True,
+            "partial_rotary_factor": 0.5, **overrides})
+    elif kind == "glm4_moe_lite":  # DeepSeek-V3's latent attention and router
+        config = transformers.Glm4MoeLiteConfig(**{
+            **common, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+            "q_lora_rank": 32, "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "routed_scaling_factor": 2.5, **overrides})
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -167,7 +183,7 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "glm4", "glm4_moe_lite"])
 def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, calls):
     """Logits and every parameter gradient of a training step with a left-padded batch:
     the patched model's error against a float64 copy is at most 2x the unpatched model's
@@ -185,7 +201,8 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
     assert sum(calls.get(name, 0) for name in gated) == len(
         report.patched.get("swiglu_mlp", []) + report.patched.get("geglu_mlp", []))
     assert calls.get("moe_gating_top_k", 0) == len(report.patched.get("moe_router", []))
-    assert ("moe_router" in report.patched) == kind.endswith(("moe", "deepseek_v3"))
+    assert ("moe_router" in report.patched) == kind.endswith(("moe", "deepseek_v3",
+                                                               "moe_lite"))
     assert ("geglu_mlp" in report.patched) == kind.startswith("gemma")
     floor = 4 * torch.finfo(torch.float32).eps
     valid = attention_mask.bool()
@@ -208,7 +225,7 @@ def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: to
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3",
-                                  "granite"])
+                                  "granite", "glm4_moe"])
 def test_training_takes_the_fused_loss_and_makes_no_logits(kind, dtype, calls):
     """In training with labels the loss comes from fused_linear_cross_entropy on the last
     hidden states (logits None): the loss (Qwen3-MoE's with its router loss) in
@@ -476,10 +493,11 @@ def test_a_packed_batch_in_a_bidirectional_module_under_its_window():
     assert raised.value.param == "sliding_window"
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "phi3", "glm"])
 def test_generation_is_unchanged_and_unpatch_restores_the_model(kind):
     """Greedy generation from a left-padded batch (Gemma 3's sliding windows over the
-    cache, Phi-3's partial rotary embedding): the same tokens patched, and after unpatch."""
+    cache, Phi-3's partial rotary embedding, GLM's interleaved pairs on part of the head):
+    the same tokens patched, and after unpatch."""
     model = _tiny(kind)
     ids, attention_mask = _batch()
     generate = {"max_new_tokens": 5, "do_sample": False, "attention_mask": attention_mask,
@@ -528,6 +546,7 @@ def test_the_report_names_what_it_left_and_why():
     ("qwen2_moe", {"norm_topk_prob": False}), ("olmoe", {"norm_topk_prob": False}),
     ("mixtral", {}), ("deepseek_v3", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}), ("deepseek_v3", {"topk_group": 4}),
+    ("glm4_moe", {"norm_topk_prob": True}), ("glm4_moe_lite", {"norm_topk_prob": False}),
 ])
 def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
     """Each router's own rule: the same logits, the same experts (as sets: transformers'
@@ -537,7 +556,7 @@ def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
     routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter",
                                                                          "TopkRouter"))]
     assert routers
-    if kind == "deepseek_v3":
+    if hasattr(routers[0], "e_score_correction_bias"):
         with torch.no_grad():  # a live correction bias, as a trained model has
             routers[0].e_score_correction_bias.normal_(0, 0.1)
     hidden = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
@@ -610,7 +629,8 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     soft_capped = kind == "gemma2"
     assert {"rms_norm", "rope", "loss"} <= set(report.patched)
     assert ("attention" in report.patched) != soft_capped
-    assert ("moe_router" in report.patched) == kind.endswith(("moe", "mixtral", "deepseek_v3"))
+    assert ("moe_router" in report.patched) == kind.endswith(("moe", "mixtral", "deepseek_v3",
+                                                               "moe_lite"))
     assert calls.get("attention", 0) == 2 * (not soft_capped) and calls["rope"] == 4
     valid = attention_mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)

@@ -10,8 +10,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   dtype whatever the weight's;
 - every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
   up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
-  forward and three backward); Phi-3's, whose one projection holds gate and up, by
-  ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's tanh
+  forward and three backward); Phi-3's and GLM's, whose one projection holds gate and
+  up, by ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's tanh
   form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2, or drops
@@ -21,12 +21,13 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   sliding window as the kernels' band; padding-free packed batches by
   `opforge.attention_varlen`, their window as its band;
 - the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
-  interleaved pairs as ``interleave_half``; a partial rotary embedding, Phi-3's, on the
-  leading dims its cos and sin cover);
+  interleaved pairs as ``interleave_half``; GLM's interleaved pairs, whose tables repeat
+  the half layout's first half of angles, as ``interleave``; a partial rotary embedding,
+  Phi-3's and GLM's, on the leading dims its cos and sin cover);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
   top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen2-MoE, Qwen3-MoE,
-  OLMoE and Mixtral, DeepSeek-V3's sigmoid scores with the correction bias, group-limited
-  top-k and ``norm_topk_prob`` either way; int64 indices for the experts;
+  OLMoE and Mixtral, DeepSeek-V3's (and GLM-4-MoE's) sigmoid scores with the correction
+  bias, group-limited top-k and ``norm_topk_prob`` either way; int64 indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
   they come, with no float32 copy of them); in training with ``labels``, by
   `opforge.fused_linear_cross_entropy` on the last hidden states and the output head's
@@ -68,10 +69,13 @@ ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
                          "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
                          "gemma3_text", "granite", "smollm3", "olmo2", "olmo3", "exaone4",
-                         "seed_oss", "ministral", "hunyuan_v1_dense")
+                         "seed_oss", "ministral", "hunyuan_v1_dense", "glm", "glm4",
+                         "glm4_moe", "glm4_moe_lite")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
                    "MixtralTopKRouter")
+# Routers of DeepSeek-V3's rule: sigmoid scores, correction bias, group-limited top-k.
+SIGMOID_GROUP_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter")
 # RMSNorms that scale by 1 + weight, in float32, rounded once to the input's dtype.
 OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 # RMSNorms that scale in float32 and round once to the input's dtype, whatever the weight's.
@@ -79,6 +83,9 @@ INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
+# Model types whose ``apply_rotary_pos_emb`` rotates interleaved pairs by the first half of
+# the ``half``-layout tables, each angle repeated (GLM's rotary embedding).
+PAIRED_HALF_TABLE_ROPE = ("glm", "glm4")
 GATED_MLP_REASON = ("left as transformers computes it: an MLP gated by {}, where opforge's "
                     "fused gates are SiLU and GELU's tanh form")
 # transformers' activations that are GELU's tanh form.
@@ -175,9 +182,10 @@ def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 
 def _deepseek_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's router: float32 logits, sigmoid scores, the correction bias for the
-    selection only, the best ``topk_group`` groups by their top-two sums, top-k, the
-    weights renormalised (+1e-20) when ``norm_topk_prob``, times the scaling factor."""
+    """DeepSeek-V3's router (and GLM-4-MoE's, `SIGMOID_GROUP_ROUTERS`): float32 logits,
+    sigmoid scores, the correction bias for the selection only, the best ``topk_group``
+    groups by their top-two sums, top-k, the weights renormalised (+1e-20) when
+    ``norm_topk_prob``, times the scaling factor."""
     router_logits = torch.nn.functional.linear(
         hidden_states.reshape(-1, self.hidden_dim).float(), self.weight.float())
     weights, experts, _ = moe_gating_top_k(
@@ -253,11 +261,14 @@ def _window(module: torch.nn.Module, kwargs: dict[str, object]) -> int | None:
     return getattr(module, "sliding_window", None)
 
 
-def _rope_function(mode: str) -> Callable:
+def _rope_function(mode: str, paired_half_tables: bool = False) -> Callable:
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               position_ids: object = None, unsqueeze_dim: int = 1
               ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        if paired_half_tables:
+            # GLM's: the half layout's first half of angles, each repeated for its pair.
+            cos, sin = (t[..., :t.shape[-1] // 2].repeat_interleave(2, -1) for t in (cos, sin))
         rotary = cos.shape[-1]
         if rotary == q.shape[-1]:
             return rope(q, cos, sin, mode), rope(k, cos, sin, mode)
@@ -265,7 +276,8 @@ def _rope_function(mode: str) -> Callable:
         return tuple(torch.cat([rope(t[..., :rotary], cos, sin, mode), t[..., rotary:]], -1)
                      for t in (q, k))
 
-    apply.__name__ = f"opforge_rope_{mode}"
+    apply.__name__ = f"opforge_rope_{mode}" + ("_paired_half_tables" if paired_half_tables
+                                               else "")
     return apply
 
 
@@ -483,7 +495,7 @@ def _mlp_forward(module: torch.nn.Module) -> tuple[str, Callable] | str | None:
 def _router_forward(module: torch.nn.Module) -> Callable | None:
     """The opforge forward of a transformers MoE router, None for other modules."""
     name = type(module).__name__
-    if name == "DeepseekV3TopkRouter":
+    if name in SIGMOID_GROUP_ROUTERS:
         return _deepseek_router_forward
     if name in SOFTMAX_ROUTERS:
         return _softmax_router_forward
@@ -495,15 +507,17 @@ def _bind(module: torch.nn.Module, forward: Callable, modules: list[torch.nn.Mod
     modules.append(module)
 
 
-def _swap_rope(module_name: str) -> list[str]:
+def _swap_rope(module_name: str, model_type: str) -> list[str]:
     """Swap the rotary functions of a modeling module (counted per patched model)."""
     count, originals = _ROPE_OWNERS.get(module_name, (0, {}))
     modeling = sys.modules[module_name]
     if count == 0:
         originals = {name: getattr(modeling, name) for name in ROPE_FUNCTIONS
                      if callable(getattr(modeling, name, None))}
+        paired = model_type in PAIRED_HALF_TABLE_ROPE
         for name in originals:
-            setattr(modeling, name, _rope_function(ROPE_FUNCTIONS[name]))
+            setattr(modeling, name, _rope_function("interleave", True) if paired
+                    else _rope_function(ROPE_FUNCTIONS[name]))
     _ROPE_OWNERS[module_name] = (count + 1, originals)
     return sorted(originals)
 
@@ -591,7 +605,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
     rope_module = None
     if rope:
         rope_module = modeling
-        report.patched["rope"] = [f"{rope_module}.{name}" for name in _swap_rope(rope_module)]
+        report.patched["rope"] = [f"{rope_module}.{name}" for name in
+                                  _swap_rope(rope_module, model_type)]
     forward = labels_position = None
     if loss and hasattr(model, "lm_head"):
         model.loss_function = causal_lm_loss
