@@ -69,23 +69,27 @@ ATTENTION_NAME = "opforge"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
                          "olmoe", "mixtral", "deepseek_v3", "phi3", "gemma", "gemma2",
                          "gemma3_text", "granite", "smollm3", "olmo2", "olmo3", "exaone4",
-                         "seed_oss", "ministral", "hunyuan_v1_dense", "glm", "glm4",
-                         "glm4_moe", "glm4_moe_lite")
-# Routers of softmax top-k, renormalised when ``norm_topk_prob`` (Mixtral's: always).
+                         "seed_oss", "ministral", "hunyuan_v1_dense", "hunyuan_v1_moe",
+                         "glm", "glm4", "glm4_moe", "glm4_moe_lite", "helium", "ernie4_5",
+                         "ernie4_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Routers of softmax top-k, renormalised when ``norm_topk_prob`` (those without the switch:
+# always), the weights in the logits' dtype except Mixtral's (float32).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
-                   "MixtralTopKRouter")
+                   "MixtralTopKRouter", "Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
+FLOAT32_WEIGHT_ROUTERS = ("MixtralTopKRouter",)
 # Routers of DeepSeek-V3's rule: sigmoid scores, correction bias, group-limited top-k.
 SIGMOID_GROUP_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter")
 # RMSNorms that scale by 1 + weight, in float32, rounded once to the input's dtype.
-OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm",
+                    "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 # RMSNorms that scale in float32 and round once to the input's dtype, whatever the weight's.
-INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")
+INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "HeliumRMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
 # Model types whose ``apply_rotary_pos_emb`` rotates interleaved pairs by the first half of
 # the ``half``-layout tables, each angle repeated (GLM's rotary embedding).
-PAIRED_HALF_TABLE_ROPE = ("glm", "glm4")
+PAIRED_HALF_TABLE_ROPE = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe")
 GATED_MLP_REASON = ("left as transformers computes it: an MLP gated by {}, where opforge's "
                     "fused gates are SiLU and GELU's tanh form")
 # transformers' activations that are GELU's tanh form.
@@ -95,6 +99,9 @@ SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its att
                   "scores, which opforge's attention does not")
 DROPOUT_REASON = ("left as transformers computes it: the model drops attention weights out in "
                   "training (attention_dropout), which opforge's attention does not")
+ROUTER_REASON = "left as transformers computes it: opforge.patch does not know {}'s rule"
+LINEAR_ATTENTION_REASON = ("left as transformers computes it: {} is a linear (gated delta) "
+                           "attention, which opforge has no operator for")
 EXPERTS_REASON = ("left as transformers computes them: the experts hold fused weight tensors "
                   "that opforge has no grouped-matmul operator for")
 
@@ -167,15 +174,16 @@ def _fused_gate_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A softmax TopKRouter (`SOFTMAX_ROUTERS`: Qwen2-MoE's, Qwen3-MoE's, OLMoE's,
-    Mixtral's): (logits, top-k softmax weights, int64 experts); renormalised without an
-    epsilon when ``norm_topk_prob`` (Mixtral has no switch: always), the weights in the
-    logits' dtype (the Qwen and OLMoE routers) or float32 (Mixtral), as each returns."""
+    Mixtral's, Qwen3-Next's, Qwen3.5-MoE's): (logits, top-k softmax weights, int64
+    experts); renormalised without an epsilon when ``norm_topk_prob`` (routers without the
+    switch: always), the weights in the logits' dtype or float32 (Mixtral), as each
+    returns."""
     router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
                                                self.weight)
-    normalize = getattr(self, "norm_topk_prob", None)
-    logits = router_logits if normalize is not None else router_logits.float()
+    logits = router_logits.float() if type(self).__name__ in FLOAT32_WEIGHT_ROUTERS \
+        else router_logits
     weights, experts, _ = moe_gating_top_k(logits, self.top_k,
-                                           renorm=int(normalize is None or normalize),
+                                           renorm=int(getattr(self, "norm_topk_prob", True)),
                                            eps=0.0, index_dtype=torch.int64)
     return router_logits, weights, experts
 
@@ -591,6 +599,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
             report.patched.setdefault("moe_router", []).append(name)
         elif type(module).__name__.endswith("Experts"):
             report.left.setdefault("moe_experts", EXPERTS_REASON)
+        elif router and type(module).__name__.endswith(("Router", "Gate")):
+            report.left.setdefault("moe_router", ROUTER_REASON.format(type(module).__name__))
+        elif type(module).__name__.endswith("GatedDeltaNet"):
+            report.left.setdefault("linear_attention",
+                                   LINEAR_ATTENTION_REASON.format(type(module).__name__))
     previous = None
     if attention and getattr(config, "attn_logit_softcapping", None):
         report.left["attention"] = SOFTCAP_REASON
