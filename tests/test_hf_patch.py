@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 101
 # The model types whose MoE routers opforge's forward replaces.
 ROUTED_KINDS = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
-                "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text")
+                "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text", "gpt_oss")
 _MODELS: list[torch.nn.Module] = []
 
 
@@ -129,6 +129,11 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             **({} if kind == "qwen3_5_text" else {
                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                 "shared_expert_intermediate_size": 48}), **overrides})
+    elif kind == "gpt_oss":  # attention sinks, sliding and full layers, a biased router
+        config = transformers.GptOssConfig(**{
+            **common, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+            **overrides})
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -149,6 +154,8 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
                 parameter.normal_(0, 0.05)
             elif kind.startswith("gemma"):
                 parameter.normal_(0, 0.1)
+            elif kind == "gpt_oss":  # sinks and biases of a trained model's scale
+                parameter.normal_(0, 0.5)
     _MODELS.append(model)
     return model.eval()
 
@@ -221,7 +228,7 @@ def calls(monkeypatch):
 # upstream moves by up to 8x (four batches, patched against unpatched: 1.1x to 8.2x).
 @pytest.mark.parametrize("kind, dtype", [
     (kind, dtype) for kind in ("llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "phi3",
-                               "qwen2_moe", "glm4", "glm4_moe_lite", "helium")
+                               "qwen2_moe", "glm4", "glm4_moe_lite", "helium", "gpt_oss")
     for dtype in (torch.float32, torch.bfloat16)] + [("qwen3_5_moe_text", torch.bfloat16)])
 def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, calls):
     """Logits and every parameter gradient of a training step with a left-padded batch:
@@ -386,13 +393,14 @@ def _recorded(monkeypatch: pytest.MonkeyPatch, name: str,
     return seen
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt_oss"])
 def test_a_packed_batch_runs_varlen_attention_and_equals_each_sequence_alone(kind,
                                                                              monkeypatch):
     """A padding-free batch (sequences of 5, 9 and 3 tokens in one row, positions restarting,
     transformers' flash keywords) takes `opforge.attention_varlen` in every layer (Mistral
-    too, its sliding window as long as the longest sequence), and each sequence's logits
-    and loss gradients equal those of the sequence run alone."""
+    too, its sliding window as long as the longest sequence; gpt-oss with its sinks and a
+    window of 4), and each sequence's logits and loss gradients equal those of the
+    sequence run alone."""
     model = _tiny(kind, **({"sliding_window": 9} if kind == "mistral" else {})).train()
     opforge.patch(model)
     varlen_calls = _recorded(monkeypatch, "attention_varlen", lambda args, kwargs: args[3])
@@ -532,16 +540,17 @@ def test_a_packed_batch_in_a_bidirectional_module_under_its_window():
     assert raised.value.param == "sliding_window"
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "phi3", "glm"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "phi3", "glm", "gpt_oss"])
 def test_generation_is_unchanged_and_unpatch_restores_the_model(kind):
     """Greedy generation from a left-padded batch (Gemma 3's sliding windows over the
-    cache, Phi-3's partial rotary embedding, GLM's interleaved pairs on part of the head):
-    the same tokens patched, and after unpatch."""
+    cache, Phi-3's partial rotary embedding, GLM's interleaved pairs on part of the head,
+    gpt-oss's sinks): the same tokens patched, and after unpatch."""
     model = _tiny(kind)
     ids, attention_mask = _batch()
     generate = {"max_new_tokens": 5, "do_sample": False, "attention_mask": attention_mask,
                 "pad_token_id": 0}
     plain = model.generate(ids, **generate)
+    implementation = model.config._attn_implementation  # gpt-oss's eager, the others' SDPA
     parameters = {name: p for name, p in model.named_parameters()}
     keys = list(model.state_dict())
     first = opforge.patch(model)
@@ -552,7 +561,7 @@ def test_generation_is_unchanged_and_unpatch_restores_the_model(kind):
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     opforge.unpatch(model)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == implementation
     assert "forward" not in vars(model.model.norm) and not hasattr(model, "_opforge_patch")
     modeling = inspect.getmodule(type(model))
     assert modeling.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
@@ -586,7 +595,7 @@ def test_the_report_names_what_it_left_and_why():
     ("mixtral", {}), ("deepseek_v3", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}), ("deepseek_v3", {"topk_group": 4}),
     ("glm4_moe", {"norm_topk_prob": True}), ("glm4_moe_lite", {"norm_topk_prob": False}),
-    ("qwen3_next", {"norm_topk_prob": False}), ("qwen3_5_moe_text", {}),
+    ("qwen3_next", {"norm_topk_prob": False}), ("qwen3_5_moe_text", {}), ("gpt_oss", {}),
 ])
 def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
     """Each router's own rule: the same logits, the same experts (as sets: transformers'

@@ -5,29 +5,33 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
 
 - every RMSNorm module's forward by `opforge.rms_norm` (its ``variance_epsilon``; the
   result in torch's promoted dtype of the input and the weight, as the module gives it);
-  Gemma's, which scales by ``1 + weight`` in float32 and rounds once to the input's
-  dtype, by `opforge.rms_norm` with that float32 scale; OLMo 2's and 3's, in the input's
-  dtype whatever the weight's;
+  Gemma's, Qwen3-Next's and Qwen3.5's, which scale by ``1 + weight`` in float32 and round
+  once to the input's dtype, by `opforge.rms_norm` with that float32 scale; OLMo 2's,
+  OLMo 3's, Helium's and gpt-oss's, in the input's dtype whatever the weight's;
 - every SwiGLU MLP's forward by `opforge.nn.SwiGLUMLP`'s, ``down(silu_mul(gate(x),
   up(x)))`` (`opforge.silu_mul`: one pass each way where ``silu`` and a product make two
   forward and three backward); Phi-3's and GLM's, whose one projection holds gate and
-  up, by ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's tanh
-  form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
+  up, by ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's
+  tanh form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
 - the attention, through transformers' attention-interface registry under the name
   ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2, or drops
   attention weights out in training):
   `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
   sliding window as the kernels' band; padding-free packed batches by
-  `opforge.attention_varlen`, their window as its band;
+  `opforge.attention_varlen`, their window as its band; gpt-oss's attention sinks as
+  the ``sinks`` of either;
 - the rotary embedding functions of the model's modeling module (``half`` mode; DeepSeek's
-  interleaved pairs as ``interleave_half``; GLM's interleaved pairs, whose tables repeat
-  the half layout's first half of angles, as ``interleave``; a partial rotary embedding,
-  Phi-3's and GLM's, on the leading dims its cos and sin cover);
+  interleaved pairs as ``interleave_half``; GLM's, Helium's and ERNIE 4.5's interleaved
+  pairs, whose tables repeat the half layout's first half of angles, as ``interleave``;
+  gpt-oss's halves, whose tables hold each angle once, as ``half``; a partial rotary
+  embedding, Phi-3's, GLM's and Qwen3.5's, on the leading dims its cos and sin cover);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
-  top-k renormalised or not (``norm_topk_prob``; Mixtral always) for Qwen2-MoE, Qwen3-MoE,
-  OLMoE and Mixtral, DeepSeek-V3's (and GLM-4-MoE's) sigmoid scores with the correction
-  bias, group-limited top-k and ``norm_topk_prob`` either way; int64 indices for the experts;
+  top-k renormalised or not (``norm_topk_prob``; routers without the switch always:
+  Mixtral, Qwen3.5-MoE, gpt-oss) for Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Qwen3-Next,
+  Qwen3.5-MoE and gpt-oss; DeepSeek-V3's, GLM-4-MoE's and GLM-4-MoE-Lite's sigmoid scores
+  with the correction bias, group-limited top-k and ``norm_topk_prob`` either way; int64
+  indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
   they come, with no float32 copy of them); in training with ``labels``, by
   `opforge.fused_linear_cross_entropy` on the last hidden states and the output head's
@@ -38,7 +42,8 @@ Modules keep their class and their parameters: a forward is bound on the instanc
 ``state_dict`` keys, tied weights, devices and dtypes are those of the model as it was.
 The rotary functions are module globals: they are swapped for every model of that type
 in the process while any of them is patched, and restored when the last one is unpatched.
-Fused experts are left as they are (the report says why).
+Fused experts, routers of other rules (ERNIE 4.5's, Hunyuan's) and linear-attention layers
+(Qwen3-Next's and Qwen3.5's gated delta nets) are left as they are (the report says why).
 """
 
 from __future__ import annotations
@@ -71,11 +76,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwe
                          "gemma3_text", "granite", "smollm3", "olmo2", "olmo3", "exaone4",
                          "seed_oss", "ministral", "hunyuan_v1_dense", "hunyuan_v1_moe",
                          "glm", "glm4", "glm4_moe", "glm4_moe_lite", "helium", "ernie4_5",
-                         "ernie4_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                         "ernie4_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                         "gpt_oss")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (those without the switch:
 # always), the weights in the logits' dtype except Mixtral's (float32).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
-                   "MixtralTopKRouter", "Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
+                   "MixtralTopKRouter", "Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter",
+                   "GptOssTopKRouter")
 FLOAT32_WEIGHT_ROUTERS = ("MixtralTopKRouter",)
 # Routers of DeepSeek-V3's rule: sigmoid scores, correction bias, group-limited top-k.
 SIGMOID_GROUP_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLiteTopkRouter")
@@ -83,13 +90,15 @@ SIGMOID_GROUP_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "Glm4MoeLi
 OFFSET_RMS_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm",
                     "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 # RMSNorms that scale in float32 and round once to the input's dtype, whatever the weight's.
-INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "HeliumRMSNorm")
+INPUT_DTYPE_RMS_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm", "HeliumRMSNorm", "GptOssRMSNorm")
 # Rotary functions of a modeling module and the rope mode each one is.
 ROPE_FUNCTIONS = {"apply_rotary_pos_emb": "half",
                   "apply_rotary_pos_emb_interleave": "interleave_half"}
-# Model types whose ``apply_rotary_pos_emb`` rotates interleaved pairs by the first half of
-# the ``half``-layout tables, each angle repeated (GLM's rotary embedding).
-PAIRED_HALF_TABLE_ROPE = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe")
+# Model types whose ``apply_rotary_pos_emb`` takes other tables than ``rope``'s: GLM's
+# rotates interleaved pairs by the first half of the ``half``-layout tables, each angle
+# repeated; gpt-oss's rotates halves by tables that hold each angle once.
+ROPE_TABLES = {**dict.fromkeys(("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe"),
+                               "paired"), "gpt_oss": "angles_once"}
 GATED_MLP_REASON = ("left as transformers computes it: an MLP gated by {}, where opforge's "
                     "fused gates are SiLU and GELU's tanh form")
 # transformers' activations that are GELU's tanh form.
@@ -167,19 +176,20 @@ def _dropout_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def _fused_gate_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                             ) -> torch.Tensor:
-    # Phi-3's MLP: one projection holds the gate and the up halves, silu(gate) * up.
+    # Phi-3's and GLM's MLP: one projection holds the gate and the up halves, silu(gate) * up.
     return self.down_proj(swiglu(self.gate_up_proj(hidden_states)))
 
 
 def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A softmax TopKRouter (`SOFTMAX_ROUTERS`: Qwen2-MoE's, Qwen3-MoE's, OLMoE's,
-    Mixtral's, Qwen3-Next's, Qwen3.5-MoE's): (logits, top-k softmax weights, int64
-    experts); renormalised without an epsilon when ``norm_topk_prob`` (routers without the
-    switch: always), the weights in the logits' dtype or float32 (Mixtral), as each
-    returns."""
+    Mixtral's, Qwen3-Next's, Qwen3.5-MoE's, gpt-oss's): (logits, top-k softmax weights,
+    int64 experts); renormalised without an epsilon when ``norm_topk_prob`` (routers
+    without the switch: always; gpt-oss's softmax of the top-k logits is that), the
+    weights in the logits' dtype or float32 (Mixtral), as each returns; the logits with
+    the router's bias where it has one (gpt-oss)."""
     router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
-                                               self.weight)
+                                               self.weight, getattr(self, "bias", None))
     logits = router_logits.float() if type(self).__name__ in FLOAT32_WEIGHT_ROUTERS \
         else router_logits
     weights, experts, _ = moe_gating_top_k(logits, self.top_k,
@@ -221,14 +231,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     as the kernels' band (``window_left = W - 1``), which skips the key blocks outside it.
 
     Raises:
-        PatchError: dropout during training, a softcap, attention sinks or a position bias
-            (opforge's attention has none of them); a padding-free batch under a sliding
-            window in a module that is not causal.
+        PatchError: dropout during training, a softcap or a position bias (opforge's
+            attention has none of them); a padding-free batch under a sliding window in a
+            module that is not causal.
     """
     if dropout:
         raise PatchError("opforge attention has no dropout", op="attention", param="dropout",
                          expected=0.0, got=dropout)
-    for unsupported in ("softcap", "s_aux", "position_bias"):
+    for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise PatchError(f"opforge attention has no {unsupported}", op="attention",
                              param=unsupported, expected=None, got="a value")
@@ -246,7 +256,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             window = None  # no sequence reaches past it
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
-                               longest, window_left=None if window is None else window - 1)
+                               longest, window_left=None if window is None else window - 1,
+                               sinks=kwargs.get("s_aux"))
         return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_length > 1 and module_causal
@@ -256,7 +267,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # Without a mask (`_mask`), a causal module's sliding window runs as the kernels' band.
     window = _window(module, kwargs) if attention_mask is None and module_causal else None
     out = attention(query, key, value, causal, scaling, attn_mask=attention_mask,
-                    window_left=None if window is None else window - 1)
+                    window_left=None if window is None else window - 1,
+                    sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -269,14 +281,17 @@ def _window(module: torch.nn.Module, kwargs: dict[str, object]) -> int | None:
     return getattr(module, "sliding_window", None)
 
 
-def _rope_function(mode: str, paired_half_tables: bool = False) -> Callable:
+def _rope_function(mode: str, tables: str | None = None) -> Callable:
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               position_ids: object = None, unsqueeze_dim: int = 1
               ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        if paired_half_tables:
+        if tables == "paired":
             # GLM's: the half layout's first half of angles, each repeated for its pair.
             cos, sin = (t[..., :t.shape[-1] // 2].repeat_interleave(2, -1) for t in (cos, sin))
+        elif tables == "angles_once":
+            # gpt-oss's: each angle once, for both halves of the head.
+            cos, sin = (torch.cat([t, t], -1) for t in (cos, sin))
         rotary = cos.shape[-1]
         if rotary == q.shape[-1]:
             return rope(q, cos, sin, mode), rope(k, cos, sin, mode)
@@ -284,8 +299,7 @@ def _rope_function(mode: str, paired_half_tables: bool = False) -> Callable:
         return tuple(torch.cat([rope(t[..., :rotary], cos, sin, mode), t[..., rotary:]], -1)
                      for t in (q, k))
 
-    apply.__name__ = f"opforge_rope_{mode}" + ("_paired_half_tables" if paired_half_tables
-                                               else "")
+    apply.__name__ = f"opforge_rope_{mode}" + (f"_{tables}_tables" if tables else "")
     return apply
 
 
@@ -522,10 +536,10 @@ def _swap_rope(module_name: str, model_type: str) -> list[str]:
     if count == 0:
         originals = {name: getattr(modeling, name) for name in ROPE_FUNCTIONS
                      if callable(getattr(modeling, name, None))}
-        paired = model_type in PAIRED_HALF_TABLE_ROPE
+        tables = ROPE_TABLES.get(model_type)
         for name in originals:
-            setattr(modeling, name, _rope_function("interleave", True) if paired
-                    else _rope_function(ROPE_FUNCTIONS[name]))
+            setattr(modeling, name, _rope_function(
+                "interleave" if tables == "paired" else ROPE_FUNCTIONS[name], tables))
     _ROPE_OWNERS[module_name] = (count + 1, originals)
     return sorted(originals)
 

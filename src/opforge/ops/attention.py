@@ -1850,6 +1850,43 @@ register_op(ATTENTION)
 ATTENTION_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
 
 
+def check_sinks(sinks: object, heads: int, q: torch.Tensor, op: str) -> None:
+    """``sinks`` is a float tensor ``(heads,)`` on q's device.
+
+    Raises:
+        ShapeError: not one value per query head. DtypeError: not a float tensor, or on
+            another device.
+    """
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() \
+            or sinks.device != q.device:
+        raise DtypeError("sinks must be a float tensor on the queries' device", op=op,
+                         param="sinks", expected=f"float tensor on {q.device}",
+                         got=type(sinks).__name__ if not isinstance(sinks, torch.Tensor)
+                         else f"{sinks.dtype} on {sinks.device}")
+    if tuple(sinks.shape) != (heads,):
+        raise ShapeError("sinks holds one logit per query head", op=op, param="sinks",
+                         expected=(heads,), got=tuple(sinks.shape))
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+               head_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention whose softmax also holds, per head, one logit that attends to no value
+    (gpt-oss's sinks): ``lse' = logaddexp(lse, sink)`` and ``out' = out * exp(lse -
+    lse')``, the product in float32 rounded once (out itself was rounded once by the
+    kernel). Differentiable in out, lse and sinks (the kernels' backward takes the
+    gradient reaching lse).
+
+    Args:
+        out: ``(B, H, S, Dv)`` with ``lse`` ``(B, H, S)`` (``head_major``), or ``(T, H,
+            Dv)`` with ``lse`` ``(H, T)``.
+        sinks: ``(H,)``.
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    kept = torch.exp(lse - total)  # 0 for a query that sees no key: out stays 0
+    kept = kept[..., None] if head_major else kept.transpose(0, 1)[..., None]
+    return (out.to(kept.dtype) * kept).to(out.dtype), total
+
+
 def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
     """A view of ``t`` in ``layout`` as ``(B, N, S, D)`` (no copy)."""
     if t.dim() != (4 if layout in ("BNSD", "BSND") else 3):
@@ -1887,7 +1924,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               heads: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, window_left: int | None = None,
-              window_right: int | None = None
+              window_right: int | None = None, sinks: torch.Tensor | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
     matrix in memory); the torch backend (the CPU development path) holds the score
@@ -1930,6 +1967,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             value heads follow from q's head dim).
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the packing of ``"TND"``
             (see `opforge.attention_varlen`).
+        sinks: ``(H,)``, per query head one more logit in each softmax's denominator,
+            attending to no value (gpt-oss's attention sinks): ``out`` scales by ``exp(lse
+            - lse')`` with ``lse' = logaddexp(lse, sink)``, the lse returned; it gets a
+            gradient. Applied after the kernel: one more pass over ``out`` (rounded once
+            more) each way.
 
     Returns:
         ``out`` (``(B, H, Sq, Dv)`` in BNSD) in q's dtype, or ``(out, lse)``.
@@ -1941,7 +1983,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             a packed layout without ``heads``. DtypeError: q, k, v of different or
             unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout;
             ``"TND"`` without both lengths or with a mask or ``heads``; packing arguments
-            in another layout.
+            in another layout. ShapeError, DtypeError: ``sinks`` not a float ``(H,)`` on
+            q's device.
             IndexRangeError: ``"TND"`` lengths that do not cover the tokens.
     """
     if layout not in ATTENTION_LAYOUTS:
@@ -1969,7 +2012,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
         return attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
-            return_lse, window_left=window_left, window_right=window_right)
+            return_lse, window_left=window_left, window_right=window_right, sinks=sinks)
     if layout in ("BSH", "SBH"):
         head_dim = q.shape[-1] // heads if heads else None
         kv_heads = k.shape[-1] // head_dim if head_dim else None
@@ -1980,8 +2023,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                                                                       (v, "v")))
     if attn_mask is not None and 0 < attn_mask.dim() < 4:
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if sinks is not None and q.dim() == 4:
+        check_sinks(sinks, q.shape[1], q, "attention")  # else the operator raises
     out, lse = ATTENTION(q, k, v, attn_mask, causal, scale, window_left,
                     window_right)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks, head_major=True)
     out = _from_bnsd(out, layout)
     return (out, lse) if return_lse else out
 

@@ -673,7 +673,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      causal: bool = False, scale: float | None = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                      return_lse: bool = False, *, window_left: int | None = None,
-                     window_right: int | None = None
+                     window_right: int | None = None, sinks: torch.Tensor | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen call,
     CANN's ``TND`` layout): each sequence attends to its own keys only.
@@ -697,6 +697,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             the token counts).
         return_lse: also return the float32 (float64 for float64 inputs) log-sum-exp of
             each query's scaled scores, ``(H, T)`` (``-inf`` for a query that sees no key).
+        sinks: ``(H,)`` attention sinks, one logit per query head (see `opforge.attention`).
 
     Returns:
         ``out`` ``(T, H, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k, v.
@@ -706,14 +707,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             counts. DtypeError: q, k, v of different or unsupported dtypes, lengths not
             int32 or int64. IndexRangeError: lengths that do not run from 0 to the token
             count without decreasing (read on the host unless `opforge.device_side_checks`,
-            see `check_lengths`).
+            see `check_lengths`). ShapeError, DtypeError: ``sinks`` not a float ``(H,)``
+            on q's device.
     """
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+        dense.check_sinks(sinks, q.shape[1], q, "attention_varlen")  # else the op raises
     if (max_seqlen_q is None or max_seqlen_k is None) and not torch.compiler.is_compiling():
         longest = [_longest(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]
         max_seqlen_q = longest[0] if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
     out, lse = ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                 max_seqlen_q, max_seqlen_k, window_left, window_right)
+    if sinks is not None:
+        out, lse = dense.with_sinks(out, lse, sinks, head_major=False)
     return (out, lse) if return_lse else out
 
 
