@@ -1,6 +1,7 @@
 """Patch a tiny random Hugging Face model with one call, train it a few steps, and compare.
 
-    python examples/hf_patch.py [--model llama|qwen3_moe|gemma3_text|phi3] [--steps 5]
+    python examples/hf_patch.py [--model llama|qwen3_moe|gemma3_text|phi3|glm4_moe|gpt_oss]
+                                [--steps 5]
         [--dtype bfloat16]
 
 Builds the model from its config (no hub access), keeps a float64 copy and an unpatched
@@ -26,7 +27,8 @@ from opforge.precision import Monitor
 
 # Each kind's config beside the common sizes: a tied head (Llama), experts (Qwen3-MoE),
 # Gemma 3's 1 + weight norms, GeGLU and alternating sliding windows, Phi-3's fused
-# projections and a rotary embedding over half of each head.
+# projections and a rotary embedding over half of each head, GLM-4-MoE's sigmoid router
+# over groups of experts, gpt-oss's attention sinks and biased router.
 CONFIGS = {
     "llama": lambda common: transformers.LlamaConfig(**common, tie_word_embeddings=True),
     "qwen3_moe": lambda common: transformers.Qwen3MoeConfig(
@@ -35,6 +37,12 @@ CONFIGS = {
                                                                 sliding_window=8),
     "phi3": lambda common: transformers.Phi3Config(**common, partial_rotary_factor=0.5,
                                                    pad_token_id=0),
+    "glm4_moe": lambda common: transformers.Glm4MoeConfig(
+        **common, head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=64, use_qk_norm=True),
+    "gpt_oss": lambda common: transformers.GptOssConfig(
+        **common, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        pad_token_id=0),
 }
 
 

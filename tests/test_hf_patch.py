@@ -818,7 +818,7 @@ def test_a_partial_rotary_embedding_rotates_the_leading_dims_only():
         assert torch.equal(g[..., 8:], t[..., 8:])
 
 
-@pytest.mark.parametrize("kind", ["gemma3_text", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3_text", "phi3", "gpt_oss"])
 def test_the_example_patches_compares_and_trains(kind, monkeypatch, capsys):
     """examples/hf_patch.py on a model type: the patched logits within 2x the unpatched
     model's error against float64, the packed batch equal to the padded one, the two
