@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 101
 # The model types whose MoE routers opforge's forward replaces.
 ROUTED_KINDS = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
-                "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text", "gpt_oss")
+                "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text", "gpt_oss",
+                "hunyuan_v1_moe")
 _MODELS: list[torch.nn.Module] = []
 
 
@@ -596,6 +597,7 @@ def test_the_report_names_what_it_left_and_why():
     ("deepseek_v3", {"norm_topk_prob": False}), ("deepseek_v3", {"topk_group": 4}),
     ("glm4_moe", {"norm_topk_prob": True}), ("glm4_moe_lite", {"norm_topk_prob": False}),
     ("qwen3_next", {"norm_topk_prob": False}), ("qwen3_5_moe_text", {}), ("gpt_oss", {}),
+    ("hunyuan_v1_moe", {}),
 ])
 def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
     """Each router's own rule: the same logits, the same experts (as sets: transformers'
@@ -603,7 +605,7 @@ def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
     the weights' dtype; a gradient reaches the router's weight."""
     model = _tiny(kind, **overrides)
     routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter",
-                                                                         "TopkRouter"))]
+                                                                         "TopkRouter", "Gate"))]
     assert routers
     if hasattr(routers[0], "e_score_correction_bias"):
         with torch.no_grad():  # a live correction bias, as a trained model has
@@ -620,7 +622,8 @@ def test_routers_choose_the_experts_transformers_chooses(kind, overrides):
                                expected[1].gather(1, expected_order.indices),
                                rtol=2e-6, atol=1e-7)
     got[1].sum().backward()
-    assert routers[0].weight.grad is not None and routers[0].weight.grad.abs().sum() > 0
+    weight = routers[0].wg.weight if kind == "hunyuan_v1_moe" else routers[0].weight
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
 
 
 def test_unsupported_models_and_attention_features_raise():
@@ -676,7 +679,7 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
         report = opforge.patch(model)
         got = model(ids, attention_mask=attention_mask).logits
     soft_capped = kind == "gemma2"
-    kept_router = kind in ("ernie4_5_moe", "hunyuan_v1_moe")
+    kept_router = kind == "ernie4_5_moe"
     full_layers = _full_attention_layers(model)
     assert {"rms_norm", "rope", "loss"} <= set(report.patched)
     assert ("attention" in report.patched) != soft_capped

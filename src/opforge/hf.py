@@ -28,10 +28,10 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   embedding, Phi-3's, GLM's and Qwen3.5's, on the leading dims its cos and sin cover);
 - the MoE routers' selection by `opforge.moe_gating_top_k` with each model's rule: softmax
   top-k renormalised or not (``norm_topk_prob``; routers without the switch always:
-  Mixtral, Qwen3.5-MoE, gpt-oss) for Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Qwen3-Next,
-  Qwen3.5-MoE and gpt-oss; DeepSeek-V3's, GLM-4-MoE's and GLM-4-MoE-Lite's sigmoid scores
-  with the correction bias, group-limited top-k and ``norm_topk_prob`` either way; int64
-  indices for the experts;
+  Mixtral, Qwen3.5-MoE, gpt-oss, Hunyuan-MoE) for Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral,
+  Qwen3-Next, Qwen3.5-MoE, gpt-oss and Hunyuan-MoE; DeepSeek-V3's, GLM-4-MoE's and
+  GLM-4-MoE-Lite's sigmoid scores with the correction bias, group-limited top-k and
+  ``norm_topk_prob`` either way; int64 indices for the experts;
 - the causal-LM loss by `opforge.cross_entropy` (float32 log-sum-exp on the logits as
   they come, with no float32 copy of them); in training with ``labels``, by
   `opforge.fused_linear_cross_entropy` on the last hidden states and the output head's
@@ -42,7 +42,7 @@ Modules keep their class and their parameters: a forward is bound on the instanc
 ``state_dict`` keys, tied weights, devices and dtypes are those of the model as it was.
 The rotary functions are module globals: they are swapped for every model of that type
 in the process while any of them is patched, and restored when the last one is unpatched.
-Fused experts, routers of other rules (ERNIE 4.5's, Hunyuan's) and linear-attention layers
+Fused experts, routers of other rules (ERNIE 4.5's) and linear-attention layers
 (Qwen3-Next's and Qwen3.5's gated delta nets) are left as they are (the report says why).
 """
 
@@ -195,6 +195,18 @@ def _softmax_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     weights, experts, _ = moe_gating_top_k(logits, self.top_k,
                                            renorm=int(getattr(self, "norm_topk_prob", True)),
                                            eps=0.0, index_dtype=torch.int64)
+    return router_logits, weights, experts
+
+
+def _linear_gate_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hunyuan-MoE's gate: logits from its ``wg`` Linear (in float32 when ``wg`` is), softmax
+    top-k always renormalised, the weights in the logits' dtype, int64 experts."""
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    router_logits = self.wg(hidden.float() if self.wg.weight.dtype == torch.float32
+                            else hidden)
+    weights, experts, _ = moe_gating_top_k(router_logits, self.top_k, renorm=1, eps=0.0,
+                                           index_dtype=torch.int64)
     return router_logits, weights, experts
 
 
@@ -521,6 +533,8 @@ def _router_forward(module: torch.nn.Module) -> Callable | None:
         return _deepseek_router_forward
     if name in SOFTMAX_ROUTERS:
         return _softmax_router_forward
+    if name == "HunYuanMoEV1Gate":
+        return _linear_gate_router_forward
     return None
 
 
