@@ -261,10 +261,11 @@ def test_patched_model_is_as_close_to_float64_as_the_unpatched_one(kind, dtype, 
         assert _rms_error(patched, golden, where) <= 2 * _rms_error(plain, golden, where) + floor
 
 
-def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor
+def _training_step(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor,
+                   labels: torch.Tensor | None = None
                    ) -> tuple[object, dict[str, torch.Tensor]]:
     model.train().zero_grad()
-    out = model(ids, attention_mask=attention_mask, labels=ids)
+    out = model(ids, attention_mask=attention_mask, labels=ids if labels is None else labels)
     out.loss.backward()
     return out, {name: p.grad.detach().clone()
                  for name, p in model.named_parameters() if p.grad is not None}
@@ -637,9 +638,10 @@ def test_unsupported_models_and_attention_features_raise():
         opforge.hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
                                      dropout=0.1)
     assert raised.value.param == "dropout"
-    with pytest.raises(opforge.hf.PatchError):
+    with pytest.raises(opforge.hf.PatchError) as raised:
         opforge.hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
-                                     softcap=30.0)
+                                     position_bias=q)
+    assert raised.value.param == "position_bias"
     opforge.unpatch(model)
 
 
@@ -667,7 +669,7 @@ def test_a_patched_model_trains():
 @pytest.mark.parametrize("kind", opforge.hf.SUPPORTED_MODEL_TYPES)
 def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
     """Every supported model type (the list itself, so a type cannot be added untested):
-    its components patched (attention unless the model soft-caps it; Mistral's sliding
+    its components patched (Gemma 2's soft-capped attention too; Mistral's sliding
     window over a padded batch reaches opforge's attention as transformers' boolean mask),
     the float32 logits of a left-padded batch as the unpatched model's within float32
     rounding."""
@@ -678,15 +680,14 @@ def test_every_supported_type_patches_and_keeps_its_logits(kind, calls):
         expected = model(ids, attention_mask=attention_mask).logits
         report = opforge.patch(model)
         got = model(ids, attention_mask=attention_mask).logits
-    soft_capped = kind == "gemma2"
     kept_router = kind == "ernie4_5_moe"
     full_layers = _full_attention_layers(model)
     assert {"rms_norm", "rope", "loss"} <= set(report.patched)
-    assert ("attention" in report.patched) != soft_capped
+    assert "attention" in report.patched
     assert ("moe_router" in report.patched) == (kind in ROUTED_KINDS)
     assert ("moe_router" in report.left) == kept_router
     assert ("linear_attention" in report.left) == (full_layers < 2)
-    assert calls.get("attention", 0) == full_layers * (not soft_capped)
+    assert calls.get("attention", 0) == full_layers
     assert calls["rope"] == 2 * full_layers
     valid = attention_mask.bool()
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
@@ -708,22 +709,24 @@ def test_every_supported_type_keeps_its_logits_without_padding(kind):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_soft_capped_gemma2_keeps_its_attention_and_head_and_patches_the_rest(calls):
-    """Gemma 2 soft-caps its attention scores and its logits: the report leaves attention
-    and the fused loss with the reasons, the norms (1 + weight) and rotary functions are
-    opforge's, and a training step's loss and gradients equal the unpatched model's within
-    float32 rounding."""
-    model = _tiny("gemma2")
+def test_a_soft_capped_gemma2_takes_opforge_attention_and_keeps_its_head(calls):
+    """Gemma 2 soft-caps its attention scores and its logits: attention runs opforge's
+    with the cap (a small one here, 2, so that it bends the scores), the fused loss is left
+    with the reason, the norms (1 + weight) and rotary functions are opforge's, and a
+    training step's loss and gradients equal the unpatched model's within float32
+    rounding (no label predicted from a padding position: a query that sees no key gets 0
+    from opforge's attention and the mean of the values from Gemma 2's eager one)."""
+    model = _tiny("gemma2", attn_logit_softcapping=2.0)
     ids, attention_mask = _batch()
-    plain, plain_grads = _training_step(model, ids, attention_mask)
-    implementation = model.config._attn_implementation
+    # Label t is predicted at position t - 1: the first token after the padding too.
+    labels = ids.masked_fill(attention_mask.roll(1, -1) == 0, -100)
+    plain, plain_grads = _training_step(model, ids, attention_mask, labels)
     report = opforge.patch(model)
-    patched, patched_grads = _training_step(model, ids, attention_mask)
-    assert "soft-caps" in report.left["attention"] and "soft-capped" in report.left["fused_loss"]
-    assert {"rms_norm", "rope", "loss"} <= set(report.patched) and "attention" not in calls
+    patched, patched_grads = _training_step(model, ids, attention_mask, labels)
+    assert "soft-capped" in report.left["fused_loss"] and "attention" in report.patched
+    assert {"rms_norm", "rope", "loss"} <= set(report.patched) and calls["attention"] == 2
     assert calls["rms_norm"] == 9 and calls["rope"] == 4 and calls["cross_entropy"] == 1
     assert calls["gelu_tanh_mul"] == 2 and len(report.patched["geglu_mlp"]) == 2
-    assert model.config._attn_implementation == implementation
     torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)

@@ -14,8 +14,8 @@ What is swapped, per supported model type (`SUPPORTED_MODEL_TYPES`):
   up, by ``down(swiglu(gate_up(x)))`` (`opforge.swiglu`); Gemma's GELU-gated one (GELU's
   tanh form) by `opforge.nn.GeGLUMLP`'s, ``down(gelu_tanh_mul(gate(x), up(x)))``;
 - the attention, through transformers' attention-interface registry under the name
-  ``"opforge"`` (unless the model soft-caps its attention scores, Gemma 2, or drops
-  attention weights out in training):
+  ``"opforge"`` (unless the model drops attention weights out in training), Gemma 2's
+  soft cap as the kernels' ``softcap``:
   `opforge.attention` with the boolean masks transformers builds for it
   (padding, packed sequences, overlays) or, with no mask, the causal rule and the module's
   sliding window as the kernels' band; padding-free packed batches by
@@ -104,8 +104,6 @@ GATED_MLP_REASON = ("left as transformers computes it: an MLP gated by {}, where
 # transformers' activations that are GELU's tanh form.
 GELU_TANH_ACTIVATIONS = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation",
                          "FastGELUActivation", "AccurateGELUActivation")
-SOFTCAP_REASON = ("left as transformers computes it: the model soft-caps its attention "
-                  "scores, which opforge's attention does not")
 DROPOUT_REASON = ("left as transformers computes it: the model drops attention weights out in "
                   "training (attention_dropout), which opforge's attention does not")
 ROUTER_REASON = "left as transformers computes it: opforge.patch does not know {}'s rule"
@@ -243,17 +241,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     as the kernels' band (``window_left = W - 1``), which skips the key blocks outside it.
 
     Raises:
-        PatchError: dropout during training, a softcap or a position bias (opforge's
-            attention has none of them); a padding-free batch under a sliding window in a
-            module that is not causal.
+        PatchError: dropout during training or a position bias (opforge's attention has
+            neither); a padding-free batch under a sliding window in a module that is not
+            causal.
     """
     if dropout:
         raise PatchError("opforge attention has no dropout", op="attention", param="dropout",
                          expected=0.0, got=dropout)
-    for unsupported in ("softcap", "position_bias"):
-        if kwargs.get(unsupported) is not None:
-            raise PatchError(f"opforge attention has no {unsupported}", op="attention",
-                             param=unsupported, expected=None, got="a value")
+    if kwargs.get("position_bias") is not None:
+        raise PatchError("opforge attention has no position_bias", op="attention",
+                         param="position_bias", expected=None, got="a value")
     module_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
@@ -269,7 +266,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = attention_varlen(*(t[0].transpose(0, 1) for t in (query, key, value)), cu_q,
                                cu_k, bool(module_causal), scaling, kwargs.get("max_length_q"),
                                longest, window_left=None if window is None else window - 1,
-                               sinks=kwargs.get("s_aux"))
+                               sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"))
         return out[None], None
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_length > 1 and module_causal
@@ -280,7 +277,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = _window(module, kwargs) if attention_mask is None and module_causal else None
     out = attention(query, key, value, causal, scaling, attn_mask=attention_mask,
                     window_left=None if window is None else window - 1,
-                    sinks=kwargs.get("s_aux"))
+                    sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -633,9 +630,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, mlp: bool = True,
             report.left.setdefault("linear_attention",
                                    LINEAR_ATTENTION_REASON.format(type(module).__name__))
     previous = None
-    if attention and getattr(config, "attn_logit_softcapping", None):
-        report.left["attention"] = SOFTCAP_REASON
-    elif attention and getattr(config, "attention_dropout", 0):
+    if attention and getattr(config, "attention_dropout", 0):
         report.left["attention"] = DROPOUT_REASON
     elif attention:
         _register_attention()

@@ -120,7 +120,9 @@ WINDOW_LEFT = Attr("window_left", "int", None, range=WINDOW_RANGE,
                    doc="hide keys before i + Sk - Sq - window_left; None: none")
 WINDOW_RIGHT = Attr("window_right", "int", None, range=WINDOW_RANGE,
                     doc="hide keys after i + Sk - Sq + window_right; None: none")
-ATTRS = (CAUSAL, SCALE, WINDOW_LEFT, WINDOW_RIGHT)
+SOFTCAP = Attr("softcap", "float", None,
+               doc="scores become softcap * tanh(scores / softcap) before any mask; None: none")
+ATTRS = (CAUSAL, SCALE, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
 
 # Keys a query sees around its diagonal key ``i + Sk - Sq``: (before, after), None where
 # unbounded.
@@ -222,9 +224,23 @@ def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> 
                              got=str(spec.dtype).removeprefix("torch."))
 
 
+def check_softcap(op: str, attrs: Attrs, inputs: Specs) -> None:
+    """A soft cap is positive and finite where the kernels apply it (or None).
+
+    Raises:
+        AttrError: a cap that is not positive, or not finite in the compute dtype.
+    """
+    softcap = attrs["softcap"]
+    if softcap is not None and not softcap > 0:  # NaN too
+        raise AttrError("a soft cap is positive", op=op, param="softcap", expected="> 0",
+                        got=softcap)
+    check_scalar(op, "softcap", softcap, inputs)
+
+
 def _check(inputs: Specs, attrs: Attrs) -> None:
     q, k, v, mask = inputs
     check_scalar("attention", "scale", attrs["scale"], inputs)
+    check_softcap("attention", attrs, inputs)
     _same_dtype("attention", q, (("k", k), ("v", v)))
     if not any(is_unknown_rank(t.shape) for t in inputs if t is not None):
         b, h, _, sq, sk, _, _ = _shapes(q, k, v, "attention")
@@ -587,17 +603,26 @@ def visible_keys(sq: int, sk: int, limits: Limits, device: torch.device | str | 
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, limits: Limits,
-            scale: float | None, compute_dtype: torch.dtype, rows: slice | None = None
+            scale: float | None, compute_dtype: torch.dtype, rows: slice | None = None,
+            softcap: float | None = None, slopes: list[torch.Tensor] | None = None
             ) -> torch.Tensor:
-    """Scaled scores in ``compute_dtype`` plus an additive ``mask``, keys a boolean mask or
-    the ``limits`` (`key_limits`) hide at -inf; of the query rows ``rows`` only when
-    given."""
+    """Scaled scores in ``compute_dtype``, soft-capped (``softcap * tanh(s / softcap)``)
+    when asked, plus an additive ``mask``, keys a boolean mask or the ``limits``
+    (`key_limits`) hide at -inf; of the query rows ``rows`` only when given. ``slopes``
+    receives the cap's derivative ``1 - tanh^2`` (1 without a cap)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sq = q.shape[2]
     rows = slice(0, sq) if rows is None else rows
     q = q[:, :, rows].to(compute_dtype)
     k = _expand_heads(k, q.shape[1]).to(compute_dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores = softcap * tanh
+        if slopes is not None:
+            slopes.append(1 - tanh * tanh)
+    elif slopes is not None:
+        slopes.append(torch.ones_like(scores))
     if mask is not None:
         mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool \
@@ -634,7 +659,8 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
     ``|scale| sum_d |q_d k_jd|``) moves ``out`` by ``sum_j p_j e_j (v_j - out)`` and
     ``lse`` by ``sum_j p_j e_j``. Rows that see no key get 1."""
     q, k, v, mask = inputs[:4]
-    scores = _scores(q, k, mask, limits_of(attrs), attrs["scale"], torch.float64)
+    scores = _scores(q, k, mask, limits_of(attrs), attrs["scale"], torch.float64,
+                     softcap=attrs["softcap"])
     lse = torch.logsumexp(scores, -1, keepdim=True)
     p = _probabilities(scores, lse)
     scale = abs(q.shape[-1] ** -0.5 if attrs["scale"] is None else attrs["scale"])
@@ -654,10 +680,16 @@ def _attention_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs:
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, causal: bool, scale: float | None,
-                     window_left: int | None = None, window_right: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     window_left: int | None = None, window_right: int | None = None,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch SDPA (the bottom-right causal mask and the window given explicitly, combined
-    with ``mask``) and logsumexp of the scores in the inputs' dtype"""
+    with ``mask``) and logsumexp of the scores in the inputs' dtype; with a soft cap,
+    which SDPA has not, the eager softmax of the capped scores in the inputs' dtype."""
+    if softcap is not None:
+        out, lse = reference(q, k, v, mask, compute_dtype=q.dtype, causal=causal, scale=scale,
+                             window_left=window_left, window_right=window_right,
+                             softcap=softcap)
+        return out, lse.float()
     heads = q.shape[1]
     keys, values = _expand_heads(k, heads), _expand_heads(v, heads)
     combined = mask.to(q.dtype) if mask is not None and mask.dtype != torch.bool else mask
@@ -731,6 +763,7 @@ def _check_backward(inputs: Specs, attrs: Attrs) -> None:
     dout, q, k, v, out, lse, grad_lse, mask = inputs
     op = "attention_backward"
     check_scalar(op, "scale", attrs["scale"], inputs)
+    check_softcap(op, attrs, inputs)
     _same_dtype(op, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
     check_statistics(op, q, [("lse", lse), ("grad_lse", grad_lse)])
     if any(is_unknown_rank(t.shape) for t in inputs if t is not None):
@@ -809,13 +842,13 @@ def _backward_workspace(tiling: Tiling, grid: tuple[int, ...], inputs: Specs, ou
 def _backward_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None, causal: bool, scale: float | None,
                      window_left: int | None, window_right: int | None,
-                     generator: torch.Generator, with_grad_lse: bool = False
-                     ) -> tuple[torch.Tensor | None, ...]:
+                     generator: torch.Generator, with_grad_lse: bool = False,
+                     softcap: float | None = None) -> tuple[torch.Tensor | None, ...]:
     """(dout, q, k, v, out, lse, grad_lse, mask): out and lse from the float64 forward
     rounded to their dtypes, dout drawn like q."""
     out, lse = reference(q.double(), k.double(), v.double(), mask, compute_dtype=torch.float64,
                          causal=causal, scale=scale, window_left=window_left,
-                         window_right=window_right)
+                         window_right=window_right, softcap=softcap)
     dout = torch.randn(out.shape, generator=generator).to(q.device, q.dtype)
     statistics = statistics_dtype(q.dtype)
     grad_lse = torch.randn(lse.shape, generator=generator).to(q.device, statistics) \
@@ -860,12 +893,13 @@ def _torch_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               grad_lse: torch.Tensor | None, mask: torch.Tensor | None,
                               causal: bool, scale: float | None,
-                              window_left: int | None = None, window_right: int | None = None
-                              ) -> tuple[torch.Tensor, ...]:
+                              window_left: int | None = None, window_right: int | None = None,
+                              softcap: float | None = None) -> tuple[torch.Tensor, ...]:
     """torch.autograd through SDPA and logsumexp in the inputs' dtype"""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
-        out, lse = _torch_attention(*leaves, mask, causal, scale, window_left, window_right)
+        out, lse = _torch_attention(*leaves, mask, causal, scale, window_left, window_right,
+                                    softcap)
         grads = [dout] if grad_lse is None else [dout, grad_lse]
         return torch.autograd.grad((out, lse)[:len(grads)], leaves, grads)
 
@@ -894,16 +928,17 @@ ATTENTION_BACKWARD = OpDef(
 @ATTENTION.reference
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               *, compute_dtype: torch.dtype, causal: bool, scale: float | None,
-              window_left: int | None = None, window_right: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(q k^T scale) v`` and the row log-sum-exp in ``compute_dtype``, the score
-    matrix of a bounded chunk of query rows at a time (`_query_chunks`)."""
+              window_left: int | None = None, window_right: int | None = None,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T scale) v`` (the scores soft-capped first with ``softcap``) and the
+    row log-sum-exp in ``compute_dtype``, the score matrix of a bounded chunk of query rows
+    at a time (`_query_chunks`)."""
     limits = key_limits(causal, window_left, window_right)
     values = _expand_heads(v, q.shape[1]).to(compute_dtype)
     out = values.new_empty((*q.shape[:3], v.shape[3]))
     lse = values.new_empty(q.shape[:3])
     for rows in _query_chunks(q, k.shape[2]):
-        scores = _scores(q, k, mask, limits, scale, compute_dtype, rows)
+        scores = _scores(q, k, mask, limits, scale, compute_dtype, rows, softcap)
         lse[:, :, rows] = _undefined_as_nan(torch.logsumexp(scores, -1))
         out[:, :, rows] = torch.matmul(_probabilities(scores, lse[:, :, rows, None]), values)
     return out, lse
@@ -920,11 +955,12 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                     mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
                     scale: float | None, window_left: int | None = None,
-                    window_right: int | None = None, magnitudes: bool = False
-                    ) -> tuple[torch.Tensor, ...]:
+                    window_right: int | None = None, softcap: float | None = None,
+                    magnitudes: bool = False) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) from the given ``out`` and ``lse``, as the kernels compute them, a
-    bounded chunk of query rows at a time (dK and dV summed over the chunks);
-    ``magnitudes``: every term by its absolute value."""
+    bounded chunk of query rows at a time (dK and dV summed over the chunks; the score
+    gradient through the soft cap's slope); ``magnitudes``: every term by its absolute
+    value."""
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dout, q, out, lse = (t.to(compute_dtype) for t in (dout, q, out, lse))
@@ -941,8 +977,9 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     grad_q = torch.empty_like(q)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     for rows in _query_chunks(q, k.shape[2]):
+        slopes: list[torch.Tensor] = []
         p = _probabilities(_scores(q, k, mask, key_limits(causal, window_left, window_right),
-                                   scale, compute_dtype, rows),
+                                   scale, compute_dtype, rows, softcap, slopes),
                            lse[:, :, rows, None])
         if magnitudes:
             # A score error e |scale| sum_d |q_d k_d| moves p_j by p_j (e_j - sum p e):
@@ -951,8 +988,8 @@ def _backward_terms(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             spread = torch.matmul(q_terms[:, :, rows], key_terms.transpose(-1, -2)) * abs(scale)
             p = p * (1 + spread + (p * spread).sum(-1, keepdim=True))
         products = torch.matmul(dout_terms[:, :, rows], value_terms.transpose(-1, -2))
-        ds = p * (products + delta[:, :, rows, None] if magnitudes
-                  else products - delta[:, :, rows, None])
+        ds = p * slopes[0] * (products + delta[:, :, rows, None] if magnitudes
+                              else products - delta[:, :, rows, None])
         grad_q[:, :, rows] = torch.matmul(ds, key_terms) * term_scale
         grad_k += torch.matmul(ds.transpose(-1, -2), q_terms[:, :, rows]) * term_scale
         grad_v += torch.matmul(p.transpose(-1, -2), dout_terms[:, :, rows])
@@ -968,11 +1005,13 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                        mask: torch.Tensor | None, *, compute_dtype: torch.dtype, causal: bool,
                        scale: float | None, window_left: int | None = None,
-                       window_right: int | None = None) -> tuple[torch.Tensor, ...]:
+                       window_right: int | None = None, softcap: float | None = None
+                       ) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in ``compute_dtype`` from the saved ``out`` and ``lse``."""
     return _backward_terms(dout, q, k, v, out, lse, grad_lse, mask,
                            compute_dtype=compute_dtype, causal=causal, scale=scale,
-                           window_left=window_left, window_right=window_right)
+                           window_left=window_left, window_right=window_right,
+                           softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1133,9 +1172,25 @@ if triton is not None:
         return block
 
     @triton.jit
+    def _capped(scores, SOFTCAP: tl.constexpr):
+        """``SOFTCAP * tanh(scores / SOFTCAP)`` (scores and cap in the log2 domain) and its
+        slope ``1 - tanh^2``. tanh of ``|y| >= 1/8`` from one exp2 of ``-2|y|`` (±inf gives
+        ±cap, no overflow, NaN kept); below, where ``1 - exp`` would cancel, its odd series
+        to ``y^7`` (the next term is 1e-9 of it): no expm1 or tanh on every backend. (An odd
+        rational tanh on one path spilled more at sm_90: 32 sample variants against 25.)"""
+        y = scores * (1.0 / SOFTCAP)
+        e = tl.exp2(tl.abs(y) * (-2.0 * LOG2E))
+        t = (1.0 - e) / (1.0 + e)
+        y2 = y * y
+        series = y * (1.0 - y2 * (1.0 / 3.0 - y2 * (2.0 / 15.0 - y2 * (17.0 / 315.0))))
+        t = tl.where(tl.abs(y) < 0.125, series, tl.where(y < 0, -t, t))
+        return SOFTCAP * t, 1.0 - t * t
+
+    @triton.jit
     def _forward_step(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
                       stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
                       after, D, DV, qk_scale, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                      SOFTCAP: tl.constexpr,
                       BAND: tl.constexpr, MASKED: tl.constexpr,
                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                       DESCRIPTORS: tl.constexpr, FOLD_SCALE: tl.constexpr,
@@ -1157,6 +1212,8 @@ if triton is not None:
         else:
             scores = scores * qk_scale
             fold = 1.0
+        if SOFTCAP != 0:  # the launcher folds no scale then
+            scores, _ = _capped(scores, SOFTCAP)
         if MASK != 0:
             scores += _score_bias(mask_rows, row_ok, first_col + tl.arange(0, BLOCK_N), Sk,
                                   stride_mn, MASK, False)
@@ -1178,7 +1235,8 @@ if triton is not None:
     def _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn,
                       stride_kd, stride_vn, stride_vd, rows, start, end, second_start,
                       second_end, Sk, offset, before, after, D, DV, qk_scale, mask_rows,
-                      row_ok, stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
+                      row_ok, stride_mn, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                      BAND: tl.constexpr,
                       MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                       WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
                       WARP_SPECIALIZE: tl.constexpr, FOLD_SCALE: tl.constexpr,
@@ -1193,7 +1251,7 @@ if triton is not None:
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
-                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, SOFTCAP, BAND, MASKED, UPCAST,
                     PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         elif MASKED and BAND:
             first_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
@@ -1203,7 +1261,7 @@ if triton is not None:
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
-                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, SOFTCAP, BAND, MASKED, UPCAST,
                     PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         else:
             if MASKED:  # no band: only the tail past the last full block
@@ -1213,7 +1271,7 @@ if triton is not None:
                 acc, m_i, l_i = _forward_step(
                     acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_kd,
                     stride_vn, stride_vd, rows, first_col, Sk, offset, before, after, D, DV,
-                    qk_scale, mask_rows, row_ok, stride_mn, MASK, BAND, MASKED, UPCAST,
+                    qk_scale, mask_rows, row_ok, stride_mn, MASK, SOFTCAP, BAND, MASKED, UPCAST,
                     PRECISION, WIDE, DESCRIPTORS, FOLD_SCALE, BLOCK_N, BLOCK_D, BLOCK_DV)
         return acc, m_i, l_i
 
@@ -1223,7 +1281,8 @@ if triton is not None:
             GROUP, head_offset, heads, keys_per_split, qk_scale, before, after, stride_qb,
             stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, stride_mh, stride_mm,
-            stride_mn, D, DV, MASK: tl.constexpr, BAND: tl.constexpr, UPCAST: tl.constexpr,
+            stride_mn, D, DV, MASK: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr,
+            UPCAST: tl.constexpr,
             PRECISION: tl.constexpr,
             WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
             EXACT_HEAD: tl.constexpr, PACK: tl.constexpr, FOLD_SCALE: tl.constexpr,
@@ -1292,7 +1351,7 @@ if triton is not None:
                                           tl.maximum(full_start, split_start),
                                           tl.minimum(full_end, split_end), 0, 0, Sk, offset,
                                           before, after, D, DV, qk_scale, mask_rows, row_mask,
-                                          stride_mn, MASK, BAND, False, UPCAST, PRECISION,
+                                          stride_mn, MASK, SOFTCAP, BAND, False, UPCAST, PRECISION,
                                           WIDE, DESCRIPTORS, WARP_SPECIALIZE, FOLD_SCALE,
                                           BLOCK_N, BLOCK_D, BLOCK_DV)
             acc, m_i, l_i = _forward_keys(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc,
@@ -1303,7 +1362,7 @@ if triton is not None:
                                                      split_start),
                                           tl.minimum(end, split_end), Sk, offset, before,
                                           after, D, DV, qk_scale, mask_rows, row_mask,
-                                          stride_mn, MASK, BAND, True, UPCAST, PRECISION,
+                                          stride_mn, MASK, SOFTCAP, BAND, True, UPCAST, PRECISION,
                                           WIDE, DESCRIPTORS, False, FOLD_SCALE, BLOCK_N,
                                           BLOCK_D, BLOCK_DV)
             # Rows that see no key have l_i 0 exactly; a NaN l_i (NaN in the inputs) stays.
@@ -1360,7 +1419,7 @@ if triton is not None:
     def _query_side_step(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                          stride_kn, stride_kd, stride_vn, stride_vd, rows, first_col, Sk,
                          offset, before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok,
-                         stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
+                         stride_mn, MASK: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr,
                          MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                          WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1371,9 +1430,13 @@ if triton is not None:
         values_t = _rows_block(v_base, v_desc, first_col, stride_vn, stride_vd, Sk, DV,
                                True, DESCRIPTORS, UPCAST, WIDE, BLOCK_N, BLOCK_DV)
         scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
+        if SOFTCAP != 0:
+            scores, slope = _capped(scores, SOFTCAP)
         if MASK != 0:
             scores += _score_bias(mask_rows, row_ok, cols, Sk, stride_mn, MASK, False)
         p = tl.exp2(scores - lse2[:, None])
+        if SOFTCAP != 0:
+            p = p * slope  # only dS takes p here: the cap's slope folded in
         if MASKED:
             p = tl.where(_visible(rows[:, None], cols[None, :], Sk, offset, before, after,
                                   BAND), p, 0.0)
@@ -1387,6 +1450,7 @@ if triton is not None:
                          stride_kn, stride_kd, stride_vn, stride_vd, rows, start, end,
                          second_start, second_end, Sk, offset, before, after, D, DV, qk_scale,
                          like_ptr, mask_rows, row_ok, stride_mn, MASK: tl.constexpr,
+                         SOFTCAP: tl.constexpr,
                          BAND: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
                          PRECISION: tl.constexpr, WIDE: tl.constexpr,
                          DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1402,7 +1466,7 @@ if triton is not None:
                     stride_kd, stride_vn, stride_vd, rows,
                     _two_ranges(step, start, first_steps, second_start, BLOCK_N), Sk, offset,
                     before, after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn,
-                    MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N,
+                    MASK, SOFTCAP, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N,
                     BLOCK_D, BLOCK_DV)
         else:
             if MASKED:  # no band: only the tail past the last full block
@@ -1412,7 +1476,7 @@ if triton is not None:
                 dq = _query_side_step(
                     dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc, stride_kn,
                     stride_kd, stride_vn, stride_vd, rows, first_col, Sk, offset, before,
-                    after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn, MASK,
+                    after, D, DV, qk_scale, like_ptr, mask_rows, row_ok, stride_mn, MASK, SOFTCAP,
                     BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
                     BLOCK_DV)
         return dq
@@ -1425,6 +1489,7 @@ if triton is not None:
             stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
             stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
             stride_mb, stride_mh, stride_mm, stride_mn, D, DV, MASK: tl.constexpr,
+            SOFTCAP: tl.constexpr,
             BAND: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
             EXACT_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -1487,7 +1552,7 @@ if triton is not None:
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
                                   stride_kn, stride_kd, stride_vn, stride_vd, rows, full_start,
                                   full_end, 0, 0, Sk, offset, before, after, D, DV, qk_scale,
-                                  q_ptr, mask_rows, row_mask, stride_mn, MASK, BAND, False,
+                                  q_ptr, mask_rows, row_mask, stride_mn, MASK, SOFTCAP, BAND, False,
                                   UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_N, BLOCK_D,
                                   BLOCK_DV)
             dq = _query_side_keys(dq, q, dout, lse2, delta, k_base, v_base, k_desc, v_desc,
@@ -1495,7 +1560,7 @@ if triton is not None:
                                   tl.minimum(full_start, end),
                                   tl.maximum(full_end, full_start), end, Sk, offset, before,
                                   after, D, DV, qk_scale, q_ptr, mask_rows, row_mask,
-                                  stride_mn, MASK, BAND, True, UPCAST, PRECISION, WIDE,
+                                  stride_mn, MASK, SOFTCAP, BAND, True, UPCAST, PRECISION, WIDE,
                                   DESCRIPTORS, BLOCK_N, BLOCK_D, BLOCK_DV)
             if VARLEN:
                 dq_ptrs = dq_ptr + ((q_start + rows)[:, None] * H + h) * D + dims[None, :]
@@ -1507,7 +1572,8 @@ if triton is not None:
     def _key_side_step(dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc, lse_base,
                        delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols, first_row,
                        Sq, Sk, offset, before, after, D, DV, qk_scale, like_ptr, mask_base,
-                       stride_mm, stride_mn, MASK: tl.constexpr, BAND: tl.constexpr,
+                       stride_mm, stride_mn, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                       BAND: tl.constexpr,
                        MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                        WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1526,6 +1592,8 @@ if triton is not None:
         lse2 = tl.where(lse2 == NEG_INF, POS_INF, lse2 * LOG2E)  # no key seen: P = 0
         delta = tl.load(delta_base + rows, mask=row_mask, other=0.0)  # float32 statistic
         scores_t = tl.dot(keys, q_t, input_precision=PRECISION) * qk_scale
+        if SOFTCAP != 0:
+            scores_t, slope_t = _capped(scores_t, SOFTCAP)
         if MASK != 0:
             scores_t += _score_bias(mask_base + rows * stride_mm, row_mask, cols, Sk,
                                     stride_mn, MASK, True)
@@ -1536,6 +1604,8 @@ if triton is not None:
         dv += tl.dot(as_dot_operand(p_t, like_ptr, UPCAST), dout, input_precision=PRECISION)
         dp_t = tl.dot(values, tl.trans(dout), input_precision=PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP != 0:
+            ds_t = ds_t * slope_t
         dk += tl.dot(as_dot_operand(ds_t, like_ptr, UPCAST), tl.trans(q_t),
                      input_precision=PRECISION)
         return dk, dv
@@ -1545,7 +1615,8 @@ if triton is not None:
                           lse_base, delta_base, stride_qm, stride_qd, stride_dm, stride_dd,
                           cols, start, end, second_start, second_end, Sq, Sk, offset, before,
                           after, D, DV, qk_scale, like_ptr, mask_base, stride_mm, stride_mn,
-                          MASK: tl.constexpr, BAND: tl.constexpr, MASKED: tl.constexpr,
+                          MASK: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr,
+                          MASKED: tl.constexpr,
                           UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
                           DESCRIPTORS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr):
@@ -1561,7 +1632,7 @@ if triton is not None:
                     delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols,
                     _two_ranges(step, start, first_steps, second_start, BLOCK_Q), Sq, Sk,
                     offset, before, after, D, DV, qk_scale, like_ptr, mask_base, stride_mm,
-                    stride_mn, MASK, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS,
+                    stride_mn, MASK, SOFTCAP, BAND, MASKED, UPCAST, PRECISION, WIDE, DESCRIPTORS,
                     BLOCK_Q, BLOCK_D, BLOCK_DV)
         else:
             for first_row in range(start, end, BLOCK_Q):
@@ -1569,7 +1640,7 @@ if triton is not None:
                     dk, dv, keys, values, q_base, dout_base, q_desc, dout_desc, lse_base,
                     delta_base, stride_qm, stride_qd, stride_dm, stride_dd, cols, first_row,
                     Sq, Sk, offset, before, after, D, DV, qk_scale, like_ptr, mask_base,
-                    stride_mm, stride_mn, MASK, BAND, MASKED, UPCAST, PRECISION, WIDE,
+                    stride_mm, stride_mn, MASK, SOFTCAP, BAND, MASKED, UPCAST, PRECISION, WIDE,
                     DESCRIPTORS, BLOCK_Q, BLOCK_D, BLOCK_DV)
         return dk, dv
 
@@ -1580,7 +1651,7 @@ if triton is not None:
             after, stride_db, stride_dh, stride_dm, stride_dd, stride_qb, stride_qh, stride_qm,
             stride_qd, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
             stride_vn, stride_vd, stride_mb, stride_mh, stride_mm, stride_mn, D, DV,
-            MASK: tl.constexpr, BAND: tl.constexpr, UPCAST: tl.constexpr,
+            MASK: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr, UPCAST: tl.constexpr,
             PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIPTORS: tl.constexpr,
             EXACT_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_K: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -1637,7 +1708,8 @@ if triton is not None:
                         lse_ptr + statistics, delta_ptr + statistics, stride_qm, stride_qd,
                         stride_dm, stride_dd, cols, start, tl.minimum(full_start, end),
                         tl.maximum(full_end, full_start), end, Sq, Sk, offset, before, after,
-                        D, DV, qk_scale, q_ptr, mask_base, stride_mm, stride_mn, MASK, BAND,
+                        D, DV, qk_scale, q_ptr, mask_base, stride_mm, stride_mn, MASK, SOFTCAP,
+                        BAND,
                         True, UPCAST, PRECISION, WIDE, DESCRIPTORS, BLOCK_Q, BLOCK_D,
                         BLOCK_DV)
                 dk, dv = _key_side_queries(dk, dv, keys, values, q_base, dout_base, q_desc,
@@ -1646,7 +1718,7 @@ if triton is not None:
                                            stride_dm, stride_dd, cols, full_start, full_end,
                                            0, 0, Sq, Sk, offset, before, after, D, DV,
                                            qk_scale, q_ptr, mask_base, stride_mm, stride_mn,
-                                           MASK, BAND, False, UPCAST, PRECISION, WIDE,
+                                           MASK, SOFTCAP, BAND, False, UPCAST, PRECISION, WIDE,
                                            DESCRIPTORS, BLOCK_Q, BLOCK_D, BLOCK_DV)
             # dk and dv rows: [T, HKV, D] packed, else [B, HKV, Sk, D] (a scalar base, so
             # that the per-row offsets stay 32-bit).
@@ -1691,6 +1763,11 @@ def _launch_options(plan: object, inputs: Sequence[torch.Tensor], *blocks: str
     return {"UPCAST": backends.interpreter_enabled(),
             "PRECISION": "ieee",
             "WIDE": wide_offsets(*inputs), **chosen, **launch_options(plan.tiling)}
+
+
+def softcap_argument(attrs: Attrs) -> float:
+    """The kernels' ``SOFTCAP``: the cap in the log2 domain their scores are in (0: none)."""
+    return 0.0 if attrs["softcap"] is None else attrs["softcap"] * LOG2_E
 
 
 def band_arguments(attrs: Attrs, sq: int, sk: int) -> tuple[tuple[int, int], bool]:
@@ -1762,7 +1839,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
             qk_scale, *reach, *q.stride(), *k.stride(), *v.stride(), *mask_strides, d, dv,
             MASK=mask_kind, BAND=band, DESCRIPTORS=descriptors, WARP_SPECIALIZE=warp_specialize,
             EXACT_HEAD=_exact_head(options, d, dv) and not descriptors, PACK=pack,
-            FOLD_SCALE=qk_scale > 0 and mask_kind == 0, VARLEN=False, **options)
+            SOFTCAP=softcap_argument(plan.attrs),
+            FOLD_SCALE=qk_scale > 0 and mask_kind == 0 and plan.attrs["softcap"] is None,
+            VARLEN=False, **options)
     if splits > 1:
         # Warps for the merge's float32 tiles (4 spill them at Dv = 128 on sm_90).
         warps = gpu_warps(MERGE_ROWS * options["BLOCK_DV"], plan.hardware)
@@ -1808,14 +1887,14 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
             mask, None, None, sq, sk, h, h // hkv, first, scale * LOG2_E, scale, *reach,
             *dout.stride(), *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *mask_strides, d, dv, MASK=mask_kind, BAND=band, HAS_GRAD_LSE=grad_lse is not None,
-            VARLEN=False, **query_side)
+            SOFTCAP=softcap_argument(plan.attrs), VARLEN=False, **query_side)
     key_blocks = max(1, min(cdiv(sk, plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in _head_chunks(b * hkv):
         _attention_key_side_kernel[(key_blocks, count)](
             dout, q, k, v, lse, delta, grad_k, grad_v, mask, None, None, sq, sk, h, hkv, h // hkv,
             first, scale * LOG2_E, scale, *reach, *dout.stride(), *q.stride(), *k.stride(),
             *v.stride(), *mask_strides, d, dv, MASK=mask_kind, BAND=band, VARLEN=False,
-            **key_side)
+            SOFTCAP=softcap_argument(plan.attrs), **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1924,7 +2003,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               heads: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, window_left: int | None = None,
-              window_right: int | None = None, sinks: torch.Tensor | None = None
+              window_right: int | None = None, sinks: torch.Tensor | None = None,
+              softcap: float | None = None
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, flash-style on the Triton backend (no ``Sq x Sk``
     matrix in memory); the torch backend (the CPU development path) holds the score
@@ -1967,6 +2047,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             value heads follow from q's head dim).
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the packing of ``"TND"``
             (see `opforge.attention_varlen`).
+        softcap: the scaled scores become ``softcap * tanh(scores / softcap)`` before any
+            mask is added (Gemma 2's attention soft cap), in the kernels, forward and
+            backward; None: none.
         sinks: ``(H,)``, per query head one more logit in each softmax's denominator,
             attending to no value (gpt-oss's attention sinks): ``out`` scales by ``exp(lse
             - lse')`` with ``lse' = logaddexp(lse, sink)``, the lse returned; it gets a
@@ -1983,8 +2066,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
             a packed layout without ``heads``. DtypeError: q, k, v of different or
             unsupported dtypes; a float mask of another dtype. AttrError: an unknown layout;
             ``"TND"`` without both lengths or with a mask or ``heads``; packing arguments
-            in another layout. ShapeError, DtypeError: ``sinks`` not a float ``(H,)`` on
-            q's device.
+            in another layout; a ``softcap`` that is not positive. ShapeError, DtypeError:
+            ``sinks`` not a float ``(H,)`` on q's device.
             IndexRangeError: ``"TND"`` lengths that do not cover the tokens.
     """
     if layout not in ATTENTION_LAYOUTS:
@@ -2012,7 +2095,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
         return attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, max_seqlen_q, max_seqlen_k,
-            return_lse, window_left=window_left, window_right=window_right, sinks=sinks)
+            return_lse, window_left=window_left, window_right=window_right, sinks=sinks,
+            softcap=softcap)
     if layout in ("BSH", "SBH"):
         head_dim = q.shape[-1] // heads if heads else None
         kv_heads = k.shape[-1] // head_dim if head_dim else None
@@ -2025,8 +2109,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if sinks is not None and q.dim() == 4:
         check_sinks(sinks, q.shape[1], q, "attention")  # else the operator raises
-    out, lse = ATTENTION(q, k, v, attn_mask, causal, scale, window_left,
-                    window_right)
+    out, lse = ATTENTION(q, k, v, attn_mask, causal, scale, window_left, window_right,
+                         softcap)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks, head_major=True)
     out = _from_bnsd(out, layout)
@@ -2038,7 +2122,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                        scale: float | None = None, grad_lse: torch.Tensor | None = None,
                        attn_mask: torch.Tensor | None = None, window_left: int | None = None,
-                       window_right: int | None = None
+                       window_right: int | None = None, softcap: float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of `attention`, recomputed from the saved ``out`` and ``lse``.
 
@@ -2046,12 +2130,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     of those keys: the result is that block's share of dq and its dk, dv (ring attention
     sums the dq shares). ``causal`` then applies to the block's own positions
     (``Sk - Sq`` offset). ``grad_lse``: the gradient reaching ``lse``, if any.
-    ``attn_mask``, ``window_left``, ``window_right``: the forward's (the mask 4-D, each dim
-    1 or full).
+    ``attn_mask``, ``window_left``, ``window_right``, ``softcap``: the forward's (the mask
+    4-D, each dim 1 or full).
 
     Raises:
         ShapeError: shapes that do not match the forward's. DtypeError: dtypes differ, or
-            ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs).
+            ``lse``/``grad_lse`` are not float32 (float64 for float64 inputs). AttrError: a
+            ``softcap`` that is not positive.
     """
     return ATTENTION_BACKWARD(dout, q, k, v, out, lse, grad_lse, attn_mask, causal,
-                scale, window_left, window_right)
+                scale, window_left, window_right, softcap)

@@ -71,7 +71,7 @@ ATTRS = (dense.CAUSAL, dense.SCALE,
               doc="the longest query sequence (sizes the grid); None: T"),
          Attr("max_seqlen_k", "int", None, range=(0, None),
               doc="the longest key sequence (sizes the tiles); None: Tk"),
-         dense.WINDOW_LEFT, dense.WINDOW_RIGHT)
+         dense.WINDOW_LEFT, dense.WINDOW_RIGHT, dense.SOFTCAP)
 
 
 def _shapes(q: object, k: object, v: object, cu_q: object, cu_k: object, op: str
@@ -103,6 +103,7 @@ def _shapes(q: object, k: object, v: object, cu_q: object, cu_k: object, op: str
 def _check(inputs: Specs, attrs: Attrs) -> None:
     q, k, v, cu_q, cu_k = inputs
     check_scalar(NAME, "scale", attrs["scale"], inputs)
+    dense.check_softcap(NAME, attrs, inputs)
     dense._same_dtype(NAME, q, (("k", k), ("v", v)))
     if not any(is_unknown_rank(t.shape) for t in inputs):
         _shapes(q, k, v, cu_q, cu_k, NAME)
@@ -327,8 +328,8 @@ def _error_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: Att
                  golden: torch.Tensor, output: str) -> torch.Tensor:
     """attention's error scale (`opforge.ops.attention`) per sequence."""
     q, k, v, cu_q, cu_k = inputs
-    dense_attrs = {name: attrs[name]
-                   for name in ("causal", "scale", "window_left", "window_right")}
+    dense_attrs = {name: attrs[name] for name in ("causal", "scale", "window_left",
+                                                  "window_right", "softcap")}
 
     def scales(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,11 +346,11 @@ def _torch_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool,
                             scale: float | None, max_seqlen_q: int | None,
                             max_seqlen_k: int | None, window_left: int | None = None,
-                            window_right: int | None = None
+                            window_right: int | None = None, softcap: float | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch SDPA per sequence (attention's peer)"""
     return _per_sequence(q, k, v, cu_q, cu_k, lambda q, k, v: dense._torch_attention(
-        q, k, v, None, causal, scale, window_left, window_right))
+        q, k, v, None, causal, scale, window_left, window_right, softcap))
 
 
 def _bench_case(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -389,6 +390,7 @@ ATTENTION_VARLEN = OpDef(
 def _check_backward(inputs: Specs, attrs: Attrs) -> None:
     dout, q, k, v, out, lse, grad_lse, cu_q, cu_k = inputs
     check_scalar(BACKWARD_NAME, "scale", attrs["scale"], inputs)
+    dense.check_softcap(BACKWARD_NAME, attrs, inputs)
     dense._same_dtype(BACKWARD_NAME, q, (("k", k), ("v", v), ("dout", dout), ("out", out)))
     check_statistics(BACKWARD_NAME, q, [("lse", lse), ("grad_lse", grad_lse)])
     if any(is_unknown_rank(t.shape) for t in inputs if t is not None):
@@ -482,7 +484,7 @@ def _backward_scale(opdef: OpDef, inputs: Sequence[torch.Tensor | None], attrs: 
     grads = _gradients_per_sequence(wide, lambda *args: dense._backward_terms(
         *args, None, compute_dtype=torch.float64, magnitudes=True, causal=attrs["causal"],
         scale=attrs["scale"], window_left=attrs["window_left"],
-        window_right=attrs["window_right"]))
+        window_right=attrs["window_right"], softcap=attrs["softcap"]))
     result = grads[("grad_q", "grad_k", "grad_v").index(output)]
     return torch.where(result > 0, result, torch.ones_like(result))
 
@@ -493,14 +495,15 @@ def _torch_attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: tor
                                      cu_k: torch.Tensor, causal: bool, scale: float | None,
                                      max_seqlen_q: int | None, max_seqlen_k: int | None,
                                      window_left: int | None = None,
-                                     window_right: int | None = None
+                                     window_right: int | None = None,
+                                     softcap: float | None = None
                                      ) -> tuple[torch.Tensor, ...]:
     """torch.autograd through SDPA per sequence (attention_backward's peer)"""
     return _gradients_per_sequence(
         (dout, q, k, v, out, lse, grad_lse, cu_q, cu_k),
         lambda dout, q, k, v, out, lse, grad_lse: dense._torch_attention_backward(
             dout, q, k, v, out, lse, grad_lse, None, causal, scale, window_left,
-            window_right))
+            window_right, softcap))
 
 
 ATTENTION_VARLEN_BACKWARD = OpDef(
@@ -535,12 +538,12 @@ ATTENTION_VARLEN_BACKWARD = OpDef(
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
               cu_k: torch.Tensor, *, compute_dtype: torch.dtype, causal: bool,
               scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
-              window_left: int | None = None, window_right: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              window_left: int | None = None, window_right: int | None = None,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attention's reference on each sequence, in ``compute_dtype``."""
     return _per_sequence(q, k, v, cu_q, cu_k, lambda q, k, v: dense.reference(
         q, k, v, None, compute_dtype=compute_dtype, causal=causal, scale=scale,
-        window_left=window_left, window_right=window_right))
+        window_left=window_left, window_right=window_right, softcap=softcap))
 
 
 @ATTENTION_VARLEN_BACKWARD.reference
@@ -549,7 +552,8 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        cu_q: torch.Tensor, cu_k: torch.Tensor, *, compute_dtype: torch.dtype,
                        causal: bool, scale: float | None, max_seqlen_q: int | None,
                        max_seqlen_k: int | None, window_left: int | None = None,
-                       window_right: int | None = None) -> tuple[torch.Tensor, ...]:
+                       window_right: int | None = None, softcap: float | None = None
+                       ) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) in ``compute_dtype``: attention_backward's reference on each
     sequence."""
     return _gradients_per_sequence(
@@ -557,7 +561,7 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         lambda *args: dense.backward_reference(*args, None, compute_dtype=compute_dtype,
                                                causal=causal, scale=scale,
                                                window_left=window_left,
-                                               window_right=window_right))
+                                               window_right=window_right, softcap=softcap))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,8 +597,9 @@ def launch(plan: object, inputs: Sequence[torch.Tensor | None],
             q, k, v, q, out, lse, cu_q, cu_k, t, tk, h, h // hkv, first, b * h, tk, qk_scale,
             *reach, *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), 0, 0, 0, 0,
             d, dv, MASK=0, BAND=band, DESCRIPTORS=False, WARP_SPECIALIZE=False,
-            EXACT_HEAD=dense._exact_head(options, d, dv), PACK=1, FOLD_SCALE=qk_scale > 0,
-            VARLEN=True, **options)
+            EXACT_HEAD=dense._exact_head(options, d, dv), PACK=1,
+            SOFTCAP=dense.softcap_argument(plan.attrs),
+            FOLD_SCALE=qk_scale > 0 and plan.attrs["softcap"] is None, VARLEN=True, **options)
 
 
 @ATTENTION_VARLEN_BACKWARD.launcher("triton")
@@ -628,7 +633,7 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
             *_packed_strides(dout), *_packed_strides(q), *_packed_strides(k),
             *_packed_strides(v), *_packed_strides(out), 0, 0, 0, 0, d, dv, MASK=0, BAND=band,
             HAS_GRAD_LSE=grad_lse is not None, DESCRIPTORS=False, EXACT_HEAD=exact,
-            VARLEN=True, **query_side)
+            SOFTCAP=dense.softcap_argument(plan.attrs), VARLEN=True, **query_side)
     _, sk = _lengths(b, t, tk, plan.attrs)
     key_blocks = max(1, min(cdiv(max(sk, 1), plan.tiling.blocks["BLOCK_K"]), MAX_PROGRAMS))
     for first, count in dense._head_chunks(b * hkv):
@@ -636,7 +641,8 @@ def launch_backward(plan: object, inputs: Sequence[torch.Tensor | None],
             dout, q, k, v, lse, delta, grad_k, grad_v, q, cu_q, cu_k, t, tk, h, hkv,
             h // hkv, first, scale * dense.LOG2_E, scale, *reach, *_packed_strides(dout),
             *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), 0, 0, 0, 0, d, dv,
-            MASK=0, BAND=band, DESCRIPTORS=False, EXACT_HEAD=exact, VARLEN=True, **key_side)
+            MASK=0, BAND=band, DESCRIPTORS=False, EXACT_HEAD=exact, VARLEN=True,
+            SOFTCAP=dense.softcap_argument(plan.attrs), **key_side)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -673,7 +679,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      causal: bool = False, scale: float | None = None,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                      return_lse: bool = False, *, window_left: int | None = None,
-                     window_right: int | None = None, sinks: torch.Tensor | None = None
+                     window_right: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen call,
     CANN's ``TND`` layout): each sequence attends to its own keys only.
@@ -698,6 +705,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_lse: also return the float32 (float64 for float64 inputs) log-sum-exp of
             each query's scaled scores, ``(H, T)`` (``-inf`` for a query that sees no key).
         sinks: ``(H,)`` attention sinks, one logit per query head (see `opforge.attention`).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (see
+            `opforge.attention`).
 
     Returns:
         ``out`` ``(T, H, Dv)`` in q's dtype, or ``(out, lse)``. Differentiable in q, k, v.
@@ -717,7 +726,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         max_seqlen_q = longest[0] if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = longest[1] if max_seqlen_k is None else max_seqlen_k
     out, lse = ATTENTION_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                                max_seqlen_q, max_seqlen_k, window_left, window_right)
+                                max_seqlen_q, max_seqlen_k, window_left, window_right,
+                                softcap)
     if sinks is not None:
         out, lse = dense.with_sinks(out, lse, sinks, head_major=False)
     return (out, lse) if return_lse else out
