@@ -21,6 +21,9 @@ import opforge.hf
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 101
+# Vision-language model types, and the first of the ids their images take (below VOCAB).
+VISION_KINDS = ("qwen3_vl", "gemma3")
+IMAGE_TOKEN = 96
 # The model types whose MoE routers opforge's forward replaces.
 ROUTED_KINDS = ("qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
                 "glm4_moe_lite", "qwen3_next", "qwen3_5_moe_text", "gpt_oss",
@@ -135,6 +138,25 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             **common, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0,
             "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
             **overrides})
+    elif kind == "qwen3_vl":  # a vision tower; multimodal rotary sections over the head
+        config = transformers.Qwen3VLConfig(
+            text_config={**common, "num_key_value_heads": 2, "head_dim": 16,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [2, 3, 3],
+                                             "mrope_interleaved": True}, **overrides},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48,
+                           "num_heads": 2, "patch_size": 4, "out_hidden_size": 64,
+                           "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+            image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1,
+            vision_start_token_id=IMAGE_TOKEN + 2, vision_end_token_id=IMAGE_TOKEN + 3)
+    elif kind == "gemma3":  # a SigLIP vision tower, images attended bidirectionally
+        config = transformers.Gemma3Config(
+            text_config={**common, "num_key_value_heads": 2, "head_dim": 16,
+                         "sliding_window": 4, **overrides},
+            vision_config={"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+            mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN,
+            boi_token_index=IMAGE_TOKEN + 1, eoi_token_index=IMAGE_TOKEN + 2)
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_key_value_heads=2,
                                             num_local_experts=4, num_experts_per_tok=2,
@@ -146,7 +168,8 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
             "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
             "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
             "routed_scaling_factor": 2.5, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = (transformers.AutoModelForImageTextToText if kind in VISION_KINDS
+             else transformers.AutoModelForCausalLM).from_config(config)
     # Random weights with the scale of trained ones (the routers start at zero; Gemma's
     # norms at 1 + 0).
     with torch.no_grad():
@@ -162,9 +185,11 @@ def _tiny(kind: str, **overrides: object) -> torch.nn.Module:
 
 
 def _full_attention_layers(model: torch.nn.Module) -> int:
-    """The layers that call the attention interface (not the linear-attention ones)."""
-    types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(
-        model.model.layers)
+    """The text layers that call the attention interface (not the linear-attention
+    ones)."""
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None) or ["full_attention"] * (
+        config.num_hidden_layers)
     return sum(layer != "linear_attention" for layer in types)
 
 
@@ -730,6 +755,61 @@ def test_a_soft_capped_gemma2_takes_opforge_attention_and_keeps_its_head(calls):
     torch.testing.assert_close(patched.loss, plain.loss, rtol=1e-6, atol=1e-6)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(patched_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def _with_images(kind: str) -> dict[str, torch.Tensor]:
+    """A prompt with images for a tiny vision-language model of ``kind``: Qwen3-VL's two
+    images of 4 x 4 and 2 x 4 patches (4 and 2 tokens after the 2 x 2 merge), Gemma 3's
+    one 16 x 16 image of 4 tokens."""
+    generator = torch.Generator().manual_seed(6)
+    if kind == "qwen3_vl":
+        start, end = IMAGE_TOKEN + 2, IMAGE_TOKEN + 3
+        ids = torch.tensor([[5, 6, start, *[IMAGE_TOKEN] * 4, end, 7, 8, start,
+                             *[IMAGE_TOKEN] * 2, end, 9, 10, 11]])
+        grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+        return {"input_ids": ids, "image_grid_thw": grid,
+                "pixel_values": torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4,
+                                            generator=generator),
+                "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+    ids = torch.tensor([[2, 5, 6, IMAGE_TOKEN + 1, *[IMAGE_TOKEN] * 4, IMAGE_TOKEN + 2, 7, 8,
+                         9, 10]])
+    return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16, generator=generator),
+            "token_type_ids": (ids == IMAGE_TOKEN).long()}
+
+
+@pytest.mark.parametrize("kind", VISION_KINDS)
+def test_a_vision_language_model_runs_its_images_through_opforge(kind, calls):
+    """Qwen3-VL and Gemma 3 with images: the vision tower's attention (bidirectional, one
+    image at a time) runs opforge's too, the logits are the unpatched model's within
+    float32 rounding, and a training step with labels (the image tokens ignored) takes the
+    fused loss with the unpatched loss and gradients."""
+    model = _tiny(kind)
+    inputs = _with_images(kind)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] >= IMAGE_TOKEN, -100)
+    model.train().zero_grad()
+    plain = model(**inputs, labels=labels)
+    plain.loss.backward()
+    plain_grads = {name: p.grad.clone() for name, p in model.named_parameters()
+                   if p.grad is not None}
+    report = opforge.patch(model)
+    assert {"rms_norm", "attention", "rope", "fused_loss"} <= set(report.patched)
+    with torch.no_grad():
+        got = model.eval()(**inputs).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    text_layers = _full_attention_layers(model)
+    assert calls["attention"] > text_layers  # the vision tower's layers too
+    model.train().zero_grad()
+    fused = model(**inputs, labels=labels)
+    fused.loss.backward()
+    assert fused.logits is None and calls["fused_linear_cross_entropy"] == 1
+    torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-6, atol=1e-6)
+    assert plain_grads.keys() == {name for name, p in model.named_parameters()
+                                  if p.grad is not None}
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4,
+                                   atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["llama", "olmo2", "gemma3_text", "helium", "qwen3_5_text"])

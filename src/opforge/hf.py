@@ -77,7 +77,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwe
                          "seed_oss", "ministral", "hunyuan_v1_dense", "hunyuan_v1_moe",
                          "glm", "glm4", "glm4_moe", "glm4_moe_lite", "helium", "ernie4_5",
                          "ernie4_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-                         "gpt_oss")
+                         "gpt_oss", "qwen3_vl", "gemma3")
 # Routers of softmax top-k, renormalised when ``norm_topk_prob`` (those without the switch:
 # always), the weights in the logits' dtype except Mixtral's (float32).
 SOFTMAX_ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter",
