@@ -20,22 +20,27 @@ SHAPES = [(2, 4, 2, 9, 9, True, None), (1, 6, 3, 1, 37, True, None),
           (2, 4, 4, 13, 21, False, None), (1, 4, 2, 17, 17, True, 4)]
 
 
+def hide_outside(scores: torch.Tensor, causal: bool, window_left: int | None) -> torch.Tensor:
+    """``scores`` (..., Sq, Sk) at -inf where a query does not see the key: after its
+    bottom-right diagonal (``causal``), or more than ``window_left`` keys before it."""
+    sq, sk = scores.shape[-2:]
+    diagonal = torch.arange(sq, device=scores.device)[:, None] + sk - sq
+    keys = torch.arange(sk, device=scores.device)[None, :]
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=scores.device)
+    if causal:
+        hidden |= keys > diagonal
+    if window_left is not None:
+        hidden |= keys < diagonal - window_left
+    return scores.masked_fill(hidden, float("-inf"))
+
+
 def _golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
             causal: bool, window_left: int | None) -> torch.Tensor:
     """float64 softmax over ``[scores, sink]``, the sink's column dropped before ``@ v``."""
     q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    sq, sk = scores.shape[-2:]
-    diagonal = torch.arange(sq, device=q.device)[:, None] + sk - sq
-    keys = torch.arange(sk, device=q.device)[None, :]
-    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        hidden |= keys > diagonal
-    if window_left is not None:
-        hidden |= keys < diagonal - window_left
-    scores = scores.masked_fill(hidden, float("-inf"))
+    scores = hide_outside(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, causal, window_left)
     column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probabilities = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
     return probabilities @ v

@@ -5,8 +5,6 @@ tiles with GQA packing and key slices; bad caps refused."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from opforge.core.errors import AttrError
 
 from .conftest import DEVICE, force_attention_tiles
 from .test_attention_masks import _qkv
+from .test_attention_sinks import hide_outside
 
 CAP = 3.0  # small against scores of size ~4 (scale 1): the cap bends most of them
 
@@ -30,15 +29,7 @@ def _golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float,
     scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * scale / softcap)
     if mask is not None:
         scores = scores + mask.double()
-    sq, sk = scores.shape[-2:]
-    diagonal = torch.arange(sq, device=q.device)[:, None] + sk - sq
-    keys = torch.arange(sk, device=q.device)[None, :]
-    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        hidden |= keys > diagonal
-    if window_left is not None:
-        hidden |= keys < diagonal - window_left
-    return scores.masked_fill(hidden, -math.inf).softmax(-1) @ v
+    return hide_outside(scores, causal, window_left).softmax(-1) @ v
 
 
 # (B, H, Hkv, Sq, Sk, causal, window_left): GQA, decoding, a sliding window, odd sizes.
