@@ -107,6 +107,21 @@ def test_a_query_that_sees_no_key_gets_zero_and_the_sink_as_lse(backend):
     assert torch.isfinite(out).all()
 
 
+def test_a_minus_infinite_sink_is_no_sink(backend):
+    """A head whose sink is -inf (no sink) gives the plain attention, 0 and lse -inf for a
+    query that sees no key, and finite gradients."""
+    q, k, v = _qkv(1, 2, 2, 6, 4, 16, torch.float32, seed=11)
+    sinks = torch.tensor([-float("inf"), 0.5], device=DEVICE, requires_grad=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = opforge.attention(*leaves, True, return_lse=True, sinks=sinks)
+    plain, plain_lse = opforge.attention(q, k, v, True, return_lse=True)
+    torch.testing.assert_close(out[:, 0], plain[:, 0])
+    assert torch.equal(lse[:, 0], plain_lse[:, 0])
+    assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
+    grads = torch.autograd.grad(out.sum() + lse[torch.isfinite(lse)].sum(), [*leaves, sinks])
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
 def test_a_nan_query_poisons_its_row_only(backend):
     q, k, v = _qkv(1, 2, 2, 5, 5, 16, torch.float32, seed=7)
     q[0, 1, 3, 0] = float("nan")

@@ -225,14 +225,16 @@ def _same_dtype(op: str, first: object, named: Sequence[tuple[str, object]]) -> 
 
 
 def check_softcap(op: str, attrs: Attrs, inputs: Specs) -> None:
-    """A soft cap is positive and finite where the kernels apply it (or None).
+    """A soft cap is positive and its kernel constants normal float32 numbers (or None).
 
     Raises:
-        AttrError: a cap that is not positive, or not finite in the compute dtype.
+        AttrError: a cap outside ``[2**-120, 2**120]`` (zero, negative, NaN, inf).
     """
     softcap = attrs["softcap"]
-    if softcap is not None and not softcap > 0:  # NaN too
-        raise AttrError("a soft cap is positive", op=op, param="softcap", expected="> 0",
+    # The kernels take cap * log2(e) and its reciprocal as float32 constants.
+    if softcap is not None and not 2.0**-120 <= softcap <= 2.0**120:  # NaN too
+        raise AttrError("a soft cap is positive, within float32's normal range", op=op,
+                        param="softcap", expected="2**-120 <= softcap <= 2**120",
                         got=softcap)
     check_scalar(op, "softcap", softcap, inputs)
 
@@ -1960,8 +1962,12 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
             Dv)`` with ``lse`` ``(H, T)``.
         sinks: ``(H,)``.
     """
-    total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
-    kept = torch.exp(lse - total)  # 0 for a query that sees no key: out stays 0
+    sink = sinks.to(lse.dtype)[:, None].expand_as(lse)
+    # A query that sees no key has lse' = sink and out 0, kept out of logaddexp and exp
+    # there: with a -inf sink (no sink) their -inf - -inf would be NaN, forward or back.
+    seen = lse != -math.inf
+    total = torch.where(seen, torch.logaddexp(torch.where(seen, lse, 0.0), sink), sink)
+    kept = torch.exp(torch.where(seen, lse - total, -math.inf))
     kept = kept[..., None] if head_major else kept.transpose(0, 1)[..., None]
     return (out.to(kept.dtype) * kept).to(out.dtype), total
 
