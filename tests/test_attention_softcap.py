@@ -10,11 +10,14 @@ import torch
 
 import opforge
 from opforge.core.errors import AttrError
+from opforge.core.opdef import Case
 
-from .conftest import DEVICE, force_attention_tiles
+from .conftest import DEVICE, assert_golden, force_attention_tiles
 from .test_attention_masks import _qkv
 from .test_attention_sinks import hide_outside
 
+ATTENTION = opforge.get_op("attention")
+ATTENTION_BACKWARD = opforge.get_op("attention_backward")
 CAP = 3.0  # small against scores of size ~4 (scale 1): the cap bends most of them
 
 
@@ -47,6 +50,16 @@ def _check_both_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     golden = _golden(*golden_leaves, CAP, causal, window_left, mask, scale)
     torch.testing.assert_close(out.double(), golden, rtol=bound, atol=bound)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out)
+    # The operators' own float64 goldens within the precision metrics' bound too.
+    attrs = {"causal": causal, "scale": scale, "window_left": window_left, "softcap": CAP}
+    forward = opforge.attention(q, k, v, causal, scale, True, attn_mask=mask, softcap=CAP,
+                                window_left=window_left)
+    assert_golden(ATTENTION, Case("softcap", (q, k, v, mask), attrs), forward)
+    backward_inputs = (dout, q, k, v, *forward, None, mask)
+    assert_golden(ATTENTION_BACKWARD, Case("softcap", backward_inputs, attrs),
+                  opforge.attention_backward(*backward_inputs[:6], causal, scale,
+                                             attn_mask=mask, window_left=window_left,
+                                             softcap=CAP))
     grads = torch.autograd.grad(out, leaves, dout)
     golden_grads = torch.autograd.grad(golden, golden_leaves, dout.double())
     for name, grad, expected in zip(("q", "k", "v"), grads, golden_grads, strict=True):
